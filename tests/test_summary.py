@@ -1,0 +1,161 @@
+"""build_summary on synthetic results directories with known answers."""
+
+import json
+
+import pytest
+
+from fixtures.make_run import make_run
+from moebench.errors import MoebenchError
+from moebench.summary import SCHEMA, build_summary, config_entry, verdict
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("runs"), configs=("baseline", "kernel", "all"),
+                    speed={"kernel": 200.0, "all": 300.0},
+                    flips={"all": [1, 2]}, diverge={"kernel": [5, 7]})
+
+
+@pytest.fixture(scope="module")
+def summary(run_dir):
+    return build_summary(run_dir)
+
+
+def test_schema_and_fields(summary):
+    assert summary["schema"] == SCHEMA
+    assert summary["run_id"] == "fixture-run"
+    assert summary["baseline"] == "baseline"
+    assert [c["name"] for c in summary["configs"]] == ["baseline", "kernel", "all"]
+    for c in summary["configs"]:
+        for key in ("name", "kernel", "scheduler", "prefetch", "decode_tokens_per_s",
+                    "output_tokens_per_s", "accuracy", "latency", "output_tokens", "truncations",
+                    "errors", "activation", "batching", "expert_store", "roofline", "expert_load"):
+            assert key in c, key
+        assert set(c["decode_tokens_per_s"]) >= {"median", "ci95", "trials"}
+        assert len(c["decode_tokens_per_s"]["trials"]) == 3
+        assert set(c["accuracy"]) >= {"correct", "total", "value", "ci95"}
+        assert set(c["latency"]) == {"ttft_s", "tpot_s", "itl_s", "latency_s"}
+        assert set(c["latency"]["ttft_s"]) == {"mean", "p50", "p95", "p99"}
+        assert c["truncations"] == 1 and c["errors"] == 0
+        assert c["activation"]["ok"] is True
+        assert ("vs_baseline" in c) == (c["name"] != "baseline")
+    json.dumps(summary, allow_nan=False)  # strict JSON: no NaN leaks
+
+
+def test_speedup_and_accuracy(summary):
+    base, kernel, all_ = (config_entry(summary, n) for n in ("baseline", "kernel", "all"))
+    assert base["decode_tokens_per_s"]["median"] == pytest.approx(100, rel=0.02)
+    sp = kernel["vs_baseline"]["speedup"]
+    assert sp["median"] == pytest.approx(2.0, rel=0.02)
+    assert sp["ci95"][0] <= sp["median"] <= sp["ci95"][1]
+    assert all_["vs_baseline"]["speedup"]["median"] == pytest.approx(3.0, rel=0.02)
+    assert base["accuracy"] == pytest.approx({**base["accuracy"], "correct": 36, "total": 40, "value": 0.9})
+    assert base["accuracy"]["trials_agree"] is True
+
+    vk = kernel["vs_baseline"]
+    assert vk["identical_outputs"] == pytest.approx(38 / 40)
+    assert vk["discordant"] == {"baseline_only": 0, "config_only": 0}
+    assert vk["mcnemar_p"] == 1.0 and vk["accuracy_delta"] == 0
+    assert [d["item_id"] for d in vk["first_divergence"]] == ["synth/5", "synth/7"]
+    assert vk["first_divergence"][0]["position"] == len("Item 5: ")
+
+    va = all_["vs_baseline"]
+    assert va["discordant"] == {"baseline_only": 2, "config_only": 0}
+    assert va["mcnemar_p"] == pytest.approx(0.5)
+    assert va["accuracy_delta"] == pytest.approx(-5.0)
+    lo, hi = va["accuracy_delta_ci95"]
+    assert lo < -5.0 <= hi <= 0
+    assert va["differing_answers"] == 2
+
+
+def test_steps_derived_metrics(summary):
+    c = config_entry(summary, "all")
+    assert c["batching"]["mean_batch_size"] == pytest.approx(8, abs=0.2)
+    assert c["batching"]["p95_queue_wait_s"] == pytest.approx(0.05)
+    assert c["expert_store"]["prefetch_precision"] == pytest.approx(0.8)
+    assert config_entry(summary, "baseline")["expert_store"]["prefetch_precision"] is None
+    rf = c["roofline"]
+    assert rf["limit_tokens_per_s"] > 0
+    assert rf["achieved_fraction"] == pytest.approx(c["decode_tokens_per_s"]["median"] / rf["limit_tokens_per_s"])
+    assert len(c["expert_load"]) == 4 and len(c["expert_load"][0]) == 16
+
+
+def test_verdict(summary):
+    assert summary["optimized"] == "all"
+    text = summary["verdict"]
+    assert text.startswith("speedup 3.00x (95% CI")
+    assert "no accuracy change detected: 2 of 40 answers differ" in text
+    assert "McNemar p = 0.5" in text
+    assert "McNemar p = 1.0" in verdict(summary, "kernel")
+    assert verdict(summary, "baseline") == "baseline is the baseline"
+
+
+def test_reproducible(run_dir, summary):
+    assert build_summary(run_dir) == summary
+
+
+def test_few_trials_use_step_bootstrap(tmp_path):
+    s = build_summary(make_run(tmp_path, configs=("baseline", "kernel"), trials=2))
+    k = config_entry(s, "kernel")
+    assert k["decode_tokens_per_s"]["ci_method"] == "bootstrap over decode steps"
+    lo, hi = k["decode_tokens_per_s"]["ci95"]
+    assert lo < k["decode_tokens_per_s"]["median"] < hi
+    sp = k["vs_baseline"]["speedup"]
+    assert sp["ci_method"] == "bootstrap over decode steps"
+    assert 1.9 < sp["ci95"][0] <= sp["median"] <= sp["ci95"][1] < 2.1
+
+
+def test_missing_optional_files(tmp_path):
+    no_steps = build_summary(make_run(tmp_path / "a", write_steps=False))
+    c = config_entry(no_steps, "kernel")
+    assert c["batching"]["mean_batch_size"] is None and c["roofline"]["limit_tokens_per_s"] is None
+    assert c["vs_baseline"]["speedup"]["median"] == pytest.approx(2.0, rel=0.02)
+
+    no_trials = build_summary(make_run(tmp_path / "b", write_trials=False))
+    c = config_entry(no_trials, "kernel")
+    assert c["activation"]["ok"] is None and c["expert_load"] is None
+    assert c["decode_tokens_per_s"]["median"] == pytest.approx(200, rel=0.02)  # from the steps
+
+    neither = build_summary(make_run(tmp_path / "c", write_trials=False, write_steps=False))
+    c = config_entry(neither, "kernel")
+    assert c["decode_tokens_per_s"]["median"] is None
+    assert c["vs_baseline"]["speedup"] == {"median": None, "ci95": None, "ci_method": None}
+    assert c["accuracy"]["correct"] == 36
+    assert "speedup unknown" in neither["verdict"]
+    json.dumps(neither, allow_nan=False)
+
+
+def test_inactive_optimization_flagged(tmp_path):
+    s = build_summary(make_run(tmp_path, inactive=("kernel",)))
+    k = config_entry(s, "kernel")
+    assert k["activation"]["ok"] is False
+    assert k["activation"]["errors"] == [f"trial {t}: kernel: no fused kernel calls recorded" for t in range(3)]
+    assert k["vs_baseline"]["verdict"].startswith("NOT VALID")
+
+
+def test_headline_is_fastest_without_all(tmp_path):
+    s = build_summary(make_run(tmp_path, configs=("baseline", "kernel", "scheduler"),
+                               speed={"kernel": 150.0, "scheduler": 250.0}))
+    assert s["optimized"] == "scheduler"
+
+
+def test_unusable_input_names_the_file(tmp_path):
+    with pytest.raises(MoebenchError, match="manifest.json"):
+        build_summary(tmp_path)
+    run = make_run(tmp_path)
+    with open(run / "samples.jsonl", "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(MoebenchError, match="samples.jsonl"):
+        build_summary(run)
+    run = make_run(tmp_path / "x")
+    (run / "steps.parquet").write_bytes(b"garbage")
+    with pytest.raises(MoebenchError, match="steps.parquet"):
+        build_summary(run)
+    run = make_run(tmp_path / "y")
+    (run / "trials.jsonl").write_text('{"config": "baseline"}\n')
+    with pytest.raises(MoebenchError, match="trials.jsonl.*trial"):
+        build_summary(run)
+    m = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**m, "baseline": "nope"}))
+    with pytest.raises(MoebenchError, match="manifest.json.*baseline"):
+        build_summary(run)
