@@ -1,0 +1,537 @@
+"""Train the bundled default model: a small qwen3_moe that solves the synthetic GSM-style suite.
+
+The training forward below is written in plain PyTorch and is mathematically the forward of
+transformers' Qwen3MoE (RMSNorm, RoPE, q_norm/k_norm, GQA, softmax top-k router, SwiGLU
+experts); only the order of work differs: the experts run as one capacity-padded batched
+matmul instead of a loop.  Parameter names and shapes are transformers' own, so the state
+dict loads straight into ``Qwen3MoeForCausalLM`` for evaluation and export.
+
+Run: ``moebench train-bundled`` (or ``python -m moebench.train``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import typer
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
+SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+MODEL_CONFIG = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    intermediate_size=512,          # unused: every layer is sparse
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    router_aux_loss_coef=0.01,
+    hidden_act="silu",
+)
+VOCAB_SIZE = 768
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def build_tokenizer(texts, vocab_size: int = VOCAB_SIZE):
+    """Byte-level BPE with every digit its own token; decodes back to the exact text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    for i, s in enumerate(SPECIALS):
+        assert tok.token_to_id(s) == i, s
+    return tok
+
+
+def make_hf_tokenizer(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[PAD_ID],
+                                   bos_token=SPECIALS[BOS_ID], eos_token=SPECIALS[EOS_ID],
+                                   padding_side="left", clean_up_tokenization_spaces=False)
+
+
+# ---------------------------------------------------------------- model
+
+def hf_config(vocab_size: int = VOCAB_SIZE):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(MODEL_CONFIG)
+    theta = kw.pop("rope_theta")
+    cfg = Qwen3MoeConfig(vocab_size=vocab_size, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
+                         eos_token_id=EOS_ID, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                         **kw)
+    return cfg
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = c.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class Experts(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class Router(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.E, self.k, self.norm_topk = c.num_experts, c.num_experts_per_tok, c.norm_topk_prob
+        self.experts = Experts(c)
+        self.gate = Router(c)
+
+    def forward(self, x, valid):
+        """x [N, H]; valid [N] bool. Returns (out [N, H], aux loss, per-expert counts)."""
+        N, H = x.shape
+        E, k = self.E, self.k
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        topv, topi = torch.topk(probs, k, dim=-1)
+        if self.norm_topk:
+            topv = topv / topv.sum(-1, keepdim=True)
+        topv = topv.to(x.dtype)
+        with torch.no_grad():
+            flat_e = topi.reshape(-1)
+            order = torch.argsort(flat_e, stable=True)
+            counts = torch.bincount(flat_e, minlength=E)
+            C = int(counts.max())
+            starts = torch.cumsum(counts, 0) - counts
+            sorted_e = flat_e[order]
+            pos = torch.arange(N * k) - starts[sorted_e]
+            slot = sorted_e * C + pos
+            tok = order // k
+        buf = x.new_zeros(E * C, H).index_copy(0, slot, x[tok])
+        h = torch.bmm(buf.view(E, C, H), self.experts.gate_up_proj.transpose(1, 2))
+        g, u = h.chunk(2, dim=-1)
+        o = torch.bmm(F.silu(g) * u, self.experts.down_proj.transpose(1, 2)).view(E * C, H)
+        y = o[slot] * topv.reshape(-1)[order, None]
+        out = x.new_zeros(N, H).index_add(0, tok, y)
+        # Switch-style load-balancing loss over real (non-pad) tokens
+        vm = valid.float()
+        nvalid = vm.sum().clamp_min(1.0)
+        with torch.no_grad():
+            assign = torch.zeros(N, E).scatter_(1, topi, 1.0) * vm[:, None]
+            vcounts = assign.sum(0)
+            frac = vcounts / (nvalid * k)
+        pmean = (probs * vm[:, None]).sum(0) / nvalid
+        aux = E * (frac * pmean).sum()
+        return out, aux, vcounts
+
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = SparseMoe(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, valid):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        B, T, H = x.shape
+        m, aux, counts = self.mlp(self.post_attention_layernorm(x).view(B * T, H), valid)
+        return x + m.view(B, T, H), aux, counts
+
+
+class Inner(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class TrainModel(nn.Module):
+    """Same parameters (names, shapes, math) as transformers' Qwen3MoeForCausalLM."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.model = Inner(c)
+        hd = c.head_dim
+        theta = c.rope_parameters["rope_theta"]
+        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def init_weights(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        std = 0.02
+        L = self.c.num_hidden_layers
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj")):
+                with torch.no_grad():
+                    p.normal_(0.0, std / math.sqrt(2 * L), generator=g)
+            else:
+                with torch.no_grad():
+                    p.normal_(0.0, std, generator=g)
+
+    def forward(self, ids, valid):
+        B, T = ids.shape
+        x = self.model.embed_tokens(ids)
+        pos = torch.arange(T, dtype=torch.float)
+        fr = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((fr, fr), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        vflat = valid.reshape(-1)
+        aux_total = x.new_zeros(())
+        all_counts = []
+        for layer in self.model.layers:
+            x, aux, counts = layer(x, cos, sin, vflat)
+            aux_total = aux_total + aux
+            all_counts.append(counts)
+        x = self.model.norm(x)
+        logits = F.linear(x, self.model.embed_tokens.weight)
+        return logits, aux_total, torch.stack(all_counts)
+
+    def hf_state_dict(self):
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        return sd
+
+
+def to_hf(model: TrainModel, bf16_round: bool = True):
+    """A transformers Qwen3MoeForCausalLM (float32 compute) with this model's weights."""
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM(model.c).float().eval()
+    sd = model.hf_state_dict()
+    if bf16_round:
+        sd = {k: v.to(torch.bfloat16).float() for k, v in sd.items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping mismatch: missing={missing} unexpected={unexpected}")
+    hf.tie_weights()
+    return hf
+
+
+# ---------------------------------------------------------------- evaluation
+
+def extract_answer(text: str) -> str | None:
+    import re
+
+    text = text.split("Question:")[0]
+    m = re.search(r"####\s*(-?[\d,]+)", text)
+    if m:
+        return m.group(1).replace(",", "")
+    return None
+
+
+@torch.no_grad()
+def greedy_eval(hf, hf_tok, items, batch_size: int = 100, max_new_tokens: int = 200):
+    """Greedy accuracy through transformers' generate (left padding, stop at EOS).
+
+    items: objects with .question and .target.  Returns (accuracy, outputs)."""
+    from moebench.suites.synth import format_prompt
+
+    hf.eval()
+    outs = []
+    for i in range(0, len(items), batch_size):
+        chunk = items[i:i + batch_size]
+        enc = hf_tok([format_prompt(it.question) for it in chunk], return_tensors="pt",
+                     padding=True, add_special_tokens=False)
+        gen = hf.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                          eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        texts = hf_tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        outs.extend(texts)
+    correct = sum(extract_answer(o) == it.target for o, it in zip(outs, items))
+    return correct / max(1, len(items)), outs
+
+
+@torch.no_grad()
+def expert_load(hf, hf_tok, texts, batch_size: int = 50):
+    """Tokens routed to each expert in each layer over `texts` (pads excluded): [L, E]."""
+    c = hf.config
+    counts = torch.zeros(c.num_hidden_layers, c.num_experts)
+    hooks = []
+
+    def mk(li):
+        def hook(mod, args, out):
+            idx = out[2]  # router_indices [N, k]
+            hook.mask_ref.append((li, idx))
+        return hook
+
+    records = []
+    for li, layer in enumerate(hf.model.layers):
+        h = mk(li)
+        h.mask_ref = records
+        hooks.append(layer.mlp.gate.register_forward_hook(h))
+    try:
+        for i in range(0, len(texts), batch_size):
+            enc = hf_tok(texts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            records.clear()
+            hf(**enc)
+            valid = enc["attention_mask"].reshape(-1).bool()
+            for li, idx in records:
+                sel = idx[valid].reshape(-1)
+                counts[li] += torch.bincount(sel, minlength=c.num_experts).float()
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+# ---------------------------------------------------------------- data
+
+def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: int, pool: int = 8):
+    """Endless training batches: (ids [B,T], labels [B,T], valid [B,T]); loss on the answer only."""
+    from moebench.suites.synth import format_prompt, iter_problems
+
+    stream = iter_problems("train", seed=seed + 12345)
+    while True:
+        probs = []
+        while len(probs) < batch_size * pool:
+            p = next(stream)
+            if p.question not in exclude:
+                probs.append(p)
+        prompts = [format_prompt(p.question) for p in probs]
+        fulls = [f"{pr} {p.answer}" for pr, p in zip(prompts, probs)]
+        penc = tok.encode_batch(prompts)
+        fenc = tok.encode_batch(fulls)
+        rows = []
+        for pe, fe in zip(penc, fenc):
+            ids = fe.ids + [EOS_ID]
+            assert fe.ids[:len(pe.ids)] == pe.ids
+            rows.append((ids, len(pe.ids)))
+        rows.sort(key=lambda r: len(r[0]))  # length buckets: little padding
+        groups = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+        rng.shuffle(groups)
+        for g in groups:
+            T = max(len(r[0]) for r in g)
+            ids = torch.full((len(g), T), PAD_ID, dtype=torch.long)
+            labels = torch.full((len(g), T), -100, dtype=torch.long)
+            valid = torch.zeros((len(g), T), dtype=torch.bool)
+            for j, (r, plen) in enumerate(g):
+                ids[j, :len(r)] = torch.tensor(r)
+                valid[j, :len(r)] = True
+                labels[j, plen - 1:len(r) - 1] = torch.tensor(r[plen:])
+            yield ids, labels, valid
+
+
+# ---------------------------------------------------------------- training
+
+def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 3000,
+          batch_size: int = 32, lr: float = 2e-3, eval_every: int = 250, eval_items: int = 100,
+          final_eval: bool = True, log=print):
+    from moebench.suites.synth import generate_split, format_training_text, load_synth_items
+
+    torch.set_num_threads(2)
+    torch.manual_seed(seed)
+    t0 = time.time()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    corpus = [format_training_text(p.question, p.answer) for p in generate_split("train", 20000)]
+    tok = build_tokenizer(corpus)
+    hf_tok = make_hf_tokenizer(tok)
+    cfg = hf_config(tok.get_vocab_size())
+    # validation: train-bucket problems from a separate seed, kept out of training
+    val = generate_split("train", eval_items, seed=seed + 999)
+    exclude = {p.question for p in val}
+
+    model = TrainModel(cfg)
+    model.init_weights(seed)
+    nparams = sum(p.numel() for p in model.parameters())
+    log(f"params {nparams/1e6:.2f}M  vocab {cfg.vocab_size}  config {json.dumps(MODEL_CONFIG)}")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    warmup = min(100, steps // 10)
+
+    def lr_at(s):
+        if s < warmup:
+            return lr * (s + 1) / warmup
+        f = (s - warmup) / max(1, steps - warmup)
+        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * f)))
+
+    rng = random.Random(seed)
+    data = batches(tok, rng, batch_size, exclude, seed)
+    aux_coef = cfg.router_aux_loss_coef
+    deadline = t0 + minutes * 60
+    ema = None
+    ntok = 0
+    tstep = time.time()
+    step = 0
+    for step in range(steps):
+        if time.time() > deadline:
+            log(f"time budget of {minutes} min reached at step {step}; stopping early")
+            break
+        ids, labels, valid = next(data)
+        for gparam in opt.param_groups:
+            gparam["lr"] = lr_at(step)
+        logits, aux, counts = model(ids, valid)
+        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        loss = ce + aux_coef * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ntok += int(valid.sum())
+        ema = ce.item() if ema is None else 0.98 * ema + 0.02 * ce.item()
+        if step % 25 == 0:
+            load = counts.float()
+            mm = (load.max(1).values / load.mean(1)).max().item()
+            dt = time.time() - tstep
+            log(f"step {step} ce {ce.item():.4f} ema {ema:.4f} aux {aux.item()/cfg.num_hidden_layers:.3f} "
+                f"maxload/mean {mm:.2f} lr {lr_at(step):.2e} tok/s {ntok/dt:.0f} "
+                f"elapsed {(time.time()-t0)/60:.1f}m")
+            ntok, tstep = 0, time.time()
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            te = time.time()
+            acc, _ = greedy_eval(to_hf(model), hf_tok, val)
+            log(f"eval step {step+1} val greedy acc {acc:.3f} ({len(val)} items, bf16 weights) "
+                f"[{time.time()-te:.0f}s]")
+            tstep = time.time()
+    train_s = time.time() - t0
+    log(f"training done: {step+1} steps in {train_s/60:.1f} min")
+
+    hf = to_hf(model)
+    save_bundle(hf, hf_tok, out)
+    log(f"saved to {out}")
+    result = {"steps": step + 1, "train_minutes": round(train_s / 60, 1), "seed": seed,
+              "params": nparams}
+    if final_eval:
+        result.update(evaluate_bundle(out, log=log))
+    (out / "train_result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def save_bundle(hf, hf_tok, out: Path):
+    hf = hf.to(torch.bfloat16)
+    hf.config.dtype = "bfloat16"
+    hf.generation_config.eos_token_id = EOS_ID
+    hf.generation_config.pad_token_id = PAD_ID
+    hf.generation_config.bos_token_id = BOS_ID
+    hf.generation_config.do_sample = False
+    hf.save_pretrained(out, safe_serialization=True)
+    hf_tok.save_pretrained(out)
+
+
+def load_bundle(path: Path = BUNDLED_DIR):
+    """(model in float32 from the bf16 checkpoint, tokenizer) through transformers."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(path) / "tokenizer.json"),
+                                  pad_token=SPECIALS[PAD_ID], bos_token=SPECIALS[BOS_ID],
+                                  eos_token=SPECIALS[EOS_ID], padding_side="left",
+                                  clean_up_tokenization_spaces=False)
+    return hf.eval(), tok
+
+
+def evaluate_bundle(path: Path = BUNDLED_DIR, limit: int | None = None, log=print):
+    """Greedy accuracy on the held-out test split and expert load, through transformers."""
+    from moebench.suites.synth import format_training_text, load_synth_items
+
+    torch.set_num_threads(2)
+    hf, tok = load_bundle(path)
+    items, _ = load_synth_items("test", limit)
+    t = time.time()
+    acc, outs = greedy_eval(hf, tok, items)
+    correct = round(acc * len(items))
+    log(f"test greedy accuracy {acc:.4f} ({correct}/{len(items)}) [{time.time()-t:.0f}s]")
+    counts = expert_load(hf, tok, [format_training_text(it.question, it.answer) for it in items])
+    ratio = counts.max(1).values / counts.mean(1)
+    share = counts.min(1).values / counts.mean(1)
+    log(f"expert load max/mean per layer {[round(x, 2) for x in ratio.tolist()]}; "
+        f"min/mean per layer {[round(x, 2) for x in share.tolist()]}")
+    return {"test_items": len(items), "test_correct": correct, "test_accuracy": acc,
+            "expert_load_max_over_mean": [round(x, 3) for x in ratio.tolist()],
+            "expert_load_min_over_mean": [round(x, 3) for x in share.tolist()]}
+
+
+def train_bundled_command(
+    out: Annotated[Path, typer.Option(help="Output folder for the checkpoint.")] = BUNDLED_DIR,
+    minutes: Annotated[float, typer.Option(help="Wall-time cap for training (minutes).")] = 45.0,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 3000,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 2e-3,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 250,
+) -> None:
+    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split."""
+    def log(msg):
+        print(msg, flush=True)
+
+    train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
+          eval_every=eval_every, log=log)
+
+
+if __name__ == "__main__":
+    typer.run(train_bundled_command)
