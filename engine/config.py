@@ -1,0 +1,174 @@
+"""Model configuration (parsed from a checkpoint's config.json) and runtime configuration (the switches)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from moebench.errors import MoebenchError
+
+SUPPORTED_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attention_bias: bool
+    sliding_window: int | None
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 32768
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def expert_param_count(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _require(raw: dict, key: str, path: Path):
+    if key not in raw:
+        raise MoebenchError(f"{path}: missing field '{key}'")
+    return raw[key]
+
+
+def _rope_theta(raw: dict) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise MoebenchError(f"config.json: rope type '{rope_type}' is not supported (only default RoPE)")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def parse_model_config(path: Path) -> ModelConfig:
+    """Read `config.json`; an unknown architecture or a missing field is a one-line error naming the file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MoebenchError(f"{path}: no such file (a checkpoint directory needs config.json)") from None
+    except json.JSONDecodeError as e:
+        raise MoebenchError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    family = raw.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise MoebenchError(
+            f"{path}: unknown model_type '{family}' (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    hidden = int(_require(raw, "hidden_size", path))
+    heads = int(_require(raw, "num_attention_heads", path))
+    num_layers = int(_require(raw, "num_hidden_layers", path))
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    common = dict(
+        family=family,
+        vocab_size=int(_require(raw, "vocab_size", path)),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        top_k=int(_require(raw, "num_experts_per_tok", path)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        eos_token_ids=eos_ids,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+    )
+    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if num_experts is None:
+        raise MoebenchError(f"{path}: missing field 'num_experts'")
+    if family == "qwen3_moe":
+        sparse_step = int(raw.get("decoder_sparse_step", 1))
+        mlp_only = set(raw.get("mlp_only_layers") or [])
+        dense = tuple(
+            i for i in range(num_layers) if i in mlp_only or not (int(num_experts) > 0 and (i + 1) % sparse_step == 0)
+        )
+        use_window = raw.get("use_sliding_window", False)
+        return ModelConfig(
+            **common,
+            num_experts=int(num_experts),
+            moe_intermediate_size=int(_require(raw, "moe_intermediate_size", path)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            qk_norm=True,
+            sliding_window=raw.get("sliding_window") if use_window else None,
+            dense_layers=dense,
+            dense_intermediate_size=int(raw.get("intermediate_size", 0)),
+        )
+    return ModelConfig(  # mixtral
+        **common,
+        num_experts=int(num_experts),
+        moe_intermediate_size=int(_require(raw, "intermediate_size", path)),
+        norm_topk_prob=True,
+        qk_norm=False,
+        sliding_window=raw.get("sliding_window"),
+    )
+
+
+KERNELS = ("naive", "fused")
+SCHEDULERS = ("static", "continuous")
+PREFETCHERS = ("off", "lookahead")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """One point of the ablation matrix plus the settings every config shares."""
+
+    kernel: str = "naive"
+    scheduler: str = "static"
+    prefetch: str = "off"
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    batch_size: int = 16
+    max_new_tokens: int = 256
+    max_tokens_per_step: int = 4096
+    kv_block_size: int = 16
+    admission: str = "affinity"
+    expert_budget: float | str = 1.0
+    offload_tier: str = "host"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("kernel", self.kernel, KERNELS),
+            ("scheduler", self.scheduler, SCHEDULERS),
+            ("prefetch", self.prefetch, PREFETCHERS),
+        ):
+            if value not in allowed:
+                raise MoebenchError(f"unknown {name} '{value}' (choose from: {', '.join(allowed)})")
+        if self.device not in ("cpu", "cuda"):
+            raise MoebenchError(f"unknown device '{self.device}' (choose cpu or cuda)")
+        if self.batch_size < 1:
+            raise MoebenchError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_new_tokens < 1:
+            raise MoebenchError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype is not None:
+            return getattr(torch, self.dtype)
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    def switches(self) -> dict:
+        return {"kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}

@@ -1,0 +1,215 @@
+"""The generation loop: the scheduler picks a batch, the model runs one step, tokens are appended,
+finished requests leave. Every step is recorded; every strategy reports its activation evidence."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moebench.engine.config import RuntimeConfig
+from moebench.engine.expert_store import make_store_and_prefetcher
+from moebench.engine.kv_cache import BlockManager, KVCache
+from moebench.engine.loader import Checkpoint
+from moebench.engine.model import MoeTransformer, build_forward_batch
+from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
+from moebench.engine.routing_stats import RoutingStats
+from moebench.engine.scheduler import make_scheduler, scheduler_activation_errors
+from moebench.engine.sequence import Request, Sequence
+from moebench.errors import MoebenchError
+
+
+@dataclass
+class Completion:
+    id: str
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    ttft_s: float
+    latency_s: float
+    token_times: list[float]
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+StepRecord = dict
+
+
+@dataclass
+class GenerationResult:
+    completions: list[Completion]
+    steps: list[StepRecord]
+    evidence: dict
+    activation_errors: list[str]
+    wall_s: float
+    expert_load: list[list[int]] = field(default_factory=list)
+
+    def phase_totals(self, phase_tokens: str, phases: tuple[str, ...]) -> tuple[int, float]:
+        tokens = sum(s[phase_tokens] for s in self.steps if s["phase"] in phases)
+        seconds = sum(s["duration_s"] for s in self.steps if s["phase"] in phases)
+        return tokens, seconds
+
+
+class Engine:
+    def __init__(self, ckpt: Checkpoint, tokenizer, runtime: RuntimeConfig):
+        self.ckpt = ckpt
+        self.cfg = ckpt.config
+        self.tokenizer = tokenizer
+        self.runtime = runtime
+        self.eos_ids = set(self.cfg.eos_token_ids)
+        if tokenizer is not None and not self.eos_ids:
+            for name in ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>"):
+                tid = tokenizer.token_to_id(name)
+                if tid is not None:
+                    self.eos_ids.add(tid)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _kv_blocks(self, seqs: list[Sequence]) -> int:
+        bs = self.runtime.kv_block_size
+        longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        return self.runtime.batch_size * -(-longest // bs) + 1
+
+    def generate(
+        self,
+        requests: list[Request],
+        on_complete: Callable[[Completion], None] | None = None,
+        prompt_ids: list[list[int]] | None = None,
+    ) -> GenerationResult:
+        """Run every request to completion. `prompt_ids` bypasses the tokenizer (tests, benchmarks)."""
+        rt, cfg = self.runtime, self.cfg
+        arrival = time.perf_counter()
+        seqs = []
+        for i, req in enumerate(requests):
+            ids = prompt_ids[i] if prompt_ids is not None else self.encode(req.prompt)
+            if not ids:
+                raise MoebenchError(f"request {req.id}: empty prompt")
+            seqs.append(Sequence(req, list(ids), req.max_new_tokens or rt.max_new_tokens, arrival))
+        if not seqs:
+            return GenerationResult([], [], {}, [], 0.0)
+
+        block_manager = BlockManager(self._kv_blocks(seqs), rt.kv_block_size)
+        kv = KVCache(cfg.num_layers, block_manager.num_blocks, rt.kv_block_size, cfg.num_kv_heads,
+                     cfg.head_dim, rt.torch_dtype, rt.device)
+        stats = RoutingStats(cfg.num_layers, cfg.num_experts)
+        kernel = make_kernel(rt.kernel)
+        store, prefetcher = make_store_and_prefetcher(self.ckpt, rt)
+        model = MoeTransformer(self.ckpt, None)
+        model.moe_block = MoeBlock(model.route, kernel, store, prefetcher, stats)
+        scheduler = make_scheduler(rt, block_manager)
+        if hasattr(scheduler, "attach"):
+            scheduler.attach(stats)
+        for s in seqs:
+            scheduler.add(s)
+
+        completions: list[Completion] = []
+        steps: list[StepRecord] = []
+        try:
+            while scheduler.has_work():
+                batch_seqs = scheduler.schedule()
+                if not batch_seqs:
+                    raise MoebenchError("scheduler made no progress (a request cannot fit in the KV cache)")
+                steps.append(self._step(len(steps), batch_seqs, model, kv, block_manager, stats, store, scheduler,
+                                        completions, on_complete, arrival))
+        finally:
+            store.close()
+        wall = time.perf_counter() - arrival
+
+        evidence = {
+            "kernel": kernel.evidence(),
+            "scheduler": {**scheduler.evidence(), "kv_block_reuses": block_manager.reuses},
+            "prefetch": {**store.evidence(), **prefetcher.evidence()},
+        }
+        errors = kernel_activation_errors(rt.kernel, evidence["kernel"])
+        errors += scheduler_activation_errors(rt.scheduler, evidence["scheduler"], len(seqs), rt.batch_size)
+        if hasattr(prefetcher, "activation_errors"):
+            errors += prefetcher.activation_errors(store)
+        order = {r.id: i for i, r in enumerate(requests)}
+        completions.sort(key=lambda c: order[c.id])
+        return GenerationResult(completions, steps, evidence, errors, wall, stats.load.tolist())
+
+    def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival):
+        rt = self.runtime
+        new_tokens = [s.new_token_ids for s in seqs]
+        in_prefill = [s.in_prefill for s in seqs]
+        for s in seqs:
+            block_manager.ensure_capacity(s.block_table, s.num_tokens)
+        batch = build_forward_batch(new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs],
+                                    rt.kv_block_size, rt.device, self.cfg.sliding_window)
+        start = time.perf_counter()
+        logits = model.forward(batch, kv)
+        next_ids = logits.argmax(dim=-1).tolist()
+        if rt.device == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+
+        routing = stats.take_step()
+        for s, tokens, tok in zip(seqs, new_tokens, next_ids):
+            s.num_cached += len(tokens)
+            s.output_ids.append(tok)
+            s.token_times.append(end - s.arrival)
+            reason = self._finish_reason(s, tok)
+            if reason:
+                s.finish_reason = reason
+                scheduler.finish(s)
+                c = Completion(s.id, s.text, list(s.output_ids), len(s.prompt_ids), reason,
+                               s.token_times[0], s.token_times[-1], list(s.token_times))
+                completions.append(c)
+                if on_complete:
+                    on_complete(c)
+
+        n_prefill = sum(in_prefill)
+        phase = "prefill" if n_prefill == len(seqs) else ("decode" if n_prefill == 0 else "mixed")
+        record = {
+            "step": index,
+            "phase": phase,
+            "batch_size": len(seqs),
+            "num_tokens": sum(len(t) for t in new_tokens),
+            "decode_tokens": len(seqs) - n_prefill,
+            "duration_s": end - start,
+            **routing,
+            **scheduler.take_step(),
+            **store.take_step(),
+        }
+        record["bytes_read"] = self._bytes_read(stats_experts=routing, seqs=seqs)
+        return record
+
+    def _bytes_read(self, stats_experts: dict, seqs) -> int:
+        """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
+        cfg = self.cfg
+        elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * elt
+        attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+        other = (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size) * elt
+        kv_tokens = sum(s.num_tokens for s in seqs)
+        kv = kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
+        return int(expert_bytes + other + kv)
+
+    def _finish_reason(self, s: Sequence, tok: int) -> str | None:
+        if tok in self.eos_ids:
+            s.output_ids.pop()
+            s.text = self.decode(s.output_ids) if self.tokenizer else ""
+            return "stop"
+        if self.tokenizer is not None and s.request.stop:
+            text = self.decode(s.output_ids)
+            cut = min((i for i in (text.find(stop) for stop in s.request.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                s.text = text[:cut]
+                return "stop"
+            s.text = text
+        if len(s.output_ids) >= s.max_new_tokens:
+            if self.tokenizer is not None and not s.request.stop:
+                s.text = self.decode(s.output_ids)
+            return "length"
+        return None

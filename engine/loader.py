@@ -1,0 +1,224 @@
+"""Load a Hugging Face MoE checkpoint directory (safetensors only) into the engine's weight layout.
+
+Experts are stacked per layer as w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], the
+layout every MoE kernel in `moebench.kernels` takes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moebench.engine.config import ModelConfig, parse_model_config
+from moebench.errors import MoebenchError
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [E, H]
+    w13: torch.Tensor | None = None  # [E, 2I, H]
+    w2: torch.Tensor | None = None  # [E, H, I]
+    dense_w13: torch.Tensor | None = None  # [2I, H] for non-MoE layers
+    dense_w2: torch.Tensor | None = None
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+    checkpoint_dtype: torch.dtype
+    files: list[Path] = field(default_factory=list)
+    # where each expert's tensors live on disk: (layer, expert) -> [(file, tensor name), ...]
+    expert_sources: dict = field(default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        total = self.embed.numel() + self.final_norm.numel()
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            total += self.lm_head.numel()
+        for layer in self.layers:
+            for value in vars(layer).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel()
+        return total
+
+
+class _TensorIndex:
+    """Name -> file map over one file or a sharded `*.safetensors.index.json` set."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._handles: dict[Path, object] = {}
+        index_files = sorted(directory.glob("*.safetensors.index.json"))
+        if index_files:
+            try:
+                weight_map = json.loads(index_files[0].read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise MoebenchError(f"{index_files[0]}: malformed index file ({e})") from None
+            self.name_to_file = {name: directory / fname for name, fname in weight_map.items()}
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise MoebenchError(f"{directory}: no *.safetensors files (only safetensors checkpoints are loaded)")
+            self.name_to_file = {}
+            for f in files:
+                for name in self._open(f).keys():
+                    self.name_to_file[name] = f
+
+    def _open(self, f: Path):
+        if f not in self._handles:
+            if not f.exists():
+                raise MoebenchError(f"{f}: missing shard named by the checkpoint index")
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise MoebenchError(f"{f}: unreadable safetensors file ({e})") from None
+        return self._handles[f]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.name_to_file
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        f = self.name_to_file.get(name)
+        if f is None:
+            raise MoebenchError(f"{self.directory}: missing tensor '{name}'")
+        handle = self._open(f)
+        try:
+            actual = tuple(handle.get_slice(name).get_shape())
+            if actual != tuple(shape):
+                raise MoebenchError(f"{f}: tensor '{name}' has shape {list(actual)}, expected {list(shape)}")
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise MoebenchError(f"{f}: cannot read tensor '{name}' ({e}); the file may be truncated") from None
+
+    def files(self) -> list[Path]:
+        return sorted(set(self.name_to_file.values()))
+
+
+def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) tensor names of one expert in the checkpoint's own naming."""
+    if cfg.family == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def _router_name(cfg: ModelConfig, layer: int) -> str:
+    block = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise MoebenchError(f"{directory}: not a directory (expected a checkpoint with config.json and *.safetensors)")
+    cfg = parse_model_config(directory / "config.json")
+    index = _TensorIndex(directory)
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return index.get(name, shape).to(device=device, dtype=dtype)
+
+    def maybe(name: str, *shape: int) -> torch.Tensor | None:
+        return get(name, *shape) if name in index else None
+
+    H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    embed_name = "model.embed_tokens.weight"
+    checkpoint_dtype = index._open(index.name_to_file[embed_name]).get_slice(embed_name).get_dtype() if embed_name in index else "F32"
+    embed = get(embed_name, cfg.vocab_size, H)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in index:
+        if not cfg.tie_word_embeddings:
+            raise MoebenchError(f"{directory}: missing tensor 'lm_head.weight'")
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight", cfg.vocab_size, H)
+
+    layers = []
+    expert_sources = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        attn = f"{p}.self_attn"
+        layer = LayerWeights(
+            input_norm=get(f"{p}.input_layernorm.weight", H),
+            post_attention_norm=get(f"{p}.post_attention_layernorm.weight", H),
+            q_proj=get(f"{attn}.q_proj.weight", q_out, H),
+            k_proj=get(f"{attn}.k_proj.weight", kv_out, H),
+            v_proj=get(f"{attn}.v_proj.weight", kv_out, H),
+            o_proj=get(f"{attn}.o_proj.weight", H, q_out),
+        )
+        if cfg.attention_bias:
+            layer.q_bias = get(f"{attn}.q_proj.bias", q_out)
+            layer.k_bias = get(f"{attn}.k_proj.bias", kv_out)
+            layer.v_bias = get(f"{attn}.v_proj.bias", kv_out)
+        if cfg.qk_norm:
+            layer.q_norm = get(f"{attn}.q_norm.weight", hd)
+            layer.k_norm = get(f"{attn}.k_norm.weight", hd)
+        if cfg.is_moe_layer(i):
+            E = cfg.num_experts
+            layer.router = get(_router_name(cfg, i), E, H)
+            fused_gate_up = f"{p}.mlp.experts.gate_up_proj"
+            if fused_gate_up in index:  # transformers' in-memory fused layout, if a checkpoint was saved that way
+                layer.w13 = get(fused_gate_up, E, 2 * I, H)
+                layer.w2 = get(f"{p}.mlp.experts.down_proj", E, H, I)
+            else:
+                layer.w13 = torch.empty(E, 2 * I, H, device=device, dtype=dtype)
+                layer.w2 = torch.empty(E, H, I, device=device, dtype=dtype)
+                for e in range(E):
+                    gate, up, down = _expert_names(cfg, i, e)
+                    layer.w13[e, :I] = get(gate, I, H)
+                    layer.w13[e, I:] = get(up, I, H)
+                    layer.w2[e] = get(down, H, I)
+                    expert_sources[(i, e)] = [(index.name_to_file[n], n) for n in (gate, up, down)]
+        else:
+            D = cfg.dense_intermediate_size
+            m = f"{p}.mlp"
+            layer.dense_w13 = torch.cat([get(f"{m}.gate_proj.weight", D, H), get(f"{m}.up_proj.weight", D, H)])
+            layer.dense_w2 = get(f"{m}.down_proj.weight", H, D)
+        layers.append(layer)
+
+    return Checkpoint(
+        path=directory,
+        config=cfg,
+        embed=embed,
+        final_norm=get("model.norm.weight", H),
+        lm_head=lm_head,
+        layers=layers,
+        checkpoint_dtype=_SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32),
+        files=index.files(),
+        expert_sources=expert_sources,
+    )
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def load_tokenizer(path: str | Path):
+    from tokenizers import Tokenizer
+
+    f = Path(path) / "tokenizer.json"
+    if not f.exists():
+        raise MoebenchError(f"{f}: no such file (the checkpoint needs a tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise MoebenchError(f"{f}: unreadable tokenizer ({str(e).splitlines()[0]})") from None

@@ -1,0 +1,163 @@
+"""The MoE transformer forward (Qwen3-MoE and Mixtral): GQA attention with RoPE over a paged KV
+cache, RMSNorm, and an MoE block that routes, asks the expert store for weights, and calls the
+configured MoE kernel. Plain tensors, no autograd: the model is only ever run for inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moebench.engine.kv_cache import KVCache
+from moebench.engine.loader import Checkpoint
+from moebench.kernels.reference import route_softmax_topk
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened new tokens of every sequence in a step, plus the padded view attention needs."""
+
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
+    padded_index: torch.Tensor  # [N] position of each token in the [B * max_q] padded layout
+    batch_size: int
+    max_q: int
+    context_slots: torch.Tensor  # [B, max_ctx] slots of each sequence's whole context (0 where padded)
+    attn_mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where attention is allowed
+    last_token_index: torch.Tensor  # [B] index into N of each sequence's last new token
+
+
+def build_forward_batch(
+    new_tokens: list[list[int]], num_cached: list[int], block_tables: list[list[int]],
+    block_size: int, device: str, sliding_window: int | None = None,
+) -> ForwardBatch:
+    q_lens = [len(t) for t in new_tokens]
+    B, max_q = len(new_tokens), max(q_lens)
+    ctx_lens = [c + q for c, q in zip(num_cached, q_lens)]
+    max_ctx = max(ctx_lens)
+    input_ids, positions, slots, padded = [], [], [], []
+    context_slots = torch.zeros(B, max_ctx, dtype=torch.long)
+    for b, (tokens, cached, table) in enumerate(zip(new_tokens, num_cached, block_tables)):
+        table_t = torch.tensor(table, dtype=torch.long)
+        ctx = torch.arange(ctx_lens[b])
+        seq_slots = table_t[ctx // block_size] * block_size + ctx % block_size
+        context_slots[b, : ctx_lens[b]] = seq_slots
+        input_ids.extend(tokens)
+        positions.extend(range(cached, cached + len(tokens)))
+        slots.append(seq_slots[cached:])
+        padded.extend(range(b * max_q, b * max_q + len(tokens)))
+    q_pos = torch.tensor([[c + i for i in range(max_q)] for c in num_cached])  # [B, max_q]
+    k_pos = torch.arange(max_ctx)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    mask &= k_pos[None, None, :] < torch.tensor(ctx_lens)[:, None, None]
+    if sliding_window:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    last = torch.tensor(q_lens).cumsum(0) - 1
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, device=device),
+        positions=torch.tensor(positions, device=device),
+        slot_mapping=torch.cat(slots).to(device),
+        padded_index=torch.tensor(padded, device=device),
+        batch_size=B,
+        max_q=max_q,
+        context_slots=context_slots.to(device),
+        attn_mask=mask[:, None].to(device),
+        last_token_index=last.to(device),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding:
+    def __init__(self, head_dim: int, theta: float, device, max_positions: int = 4096):
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        self._build(max_positions)
+
+    def _build(self, n: int):
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=self.inv_freq.device), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, head_dim]; rotate-half convention, as Hugging Face's Llama-family models."""
+        if int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class MoeTransformer:
+    """Forward pass over a `Checkpoint`. `moe_block(layer, x)` is injected: it owns routing-to-output."""
+
+    def __init__(self, ckpt: Checkpoint, moe_block):
+        self.ckpt = ckpt
+        self.cfg = ckpt.config
+        self.moe_block = moe_block
+        self.rope = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, ckpt.embed.device)
+        self.scale = self.cfg.head_dim ** -0.5
+
+    def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        cfg, w = self.cfg, self.ckpt.layers[layer_idx]
+        N = x.shape[0]
+        q = F.linear(x, w.q_proj, w.q_bias).view(N, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, w.k_proj, w.k_bias).view(N, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, w.v_proj, w.v_bias).view(N, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q = self.rope.apply(q, batch.positions)
+        k = self.rope.apply(k, batch.positions)
+        kv.k[layer_idx].index_copy_(0, batch.slot_mapping, k)
+        kv.v[layer_idx].index_copy_(0, batch.slot_mapping, v)
+
+        B, Lq = batch.batch_size, batch.max_q
+        if Lq == 1:
+            qp = q.view(B, 1, cfg.num_heads, cfg.head_dim)
+        else:
+            qp = q.new_zeros(B * Lq, cfg.num_heads, cfg.head_dim)
+            qp[batch.padded_index] = q
+            qp = qp.view(B, Lq, cfg.num_heads, cfg.head_dim)
+        keys = kv.k[layer_idx][batch.context_slots]  # [B, ctx, kvh, hd]
+        values = kv.v[layer_idx][batch.context_slots]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=batch.attn_mask, scale=self.scale, enable_gqa=True,
+        )  # [B, heads, Lq, hd]
+        out = out.transpose(1, 2).reshape(B * Lq, cfg.num_heads * cfg.head_dim)
+        if Lq != 1:
+            out = out[batch.padded_index]
+        return F.linear(out, w.o_proj)
+
+    def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
+        w = self.ckpt.layers[layer_idx]
+        gate, up = F.linear(x, w.dense_w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w.dense_w2)
+
+    def route(self, x, layer_idx: int):
+        logits = F.linear(x, self.ckpt.layers[layer_idx].router)
+        weights, ids = route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+        return weights.to(x.dtype), ids
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache, all_positions: bool = False) -> torch.Tensor:
+        """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions)."""
+        cfg = self.cfg
+        h = self.ckpt.embed[batch.input_ids]
+        for i, w in enumerate(self.ckpt.layers):
+            h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv)
+            x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
+            h = h + (self.moe_block(i, x) if cfg.is_moe_layer(i) else self.dense_mlp(x, i))
+        if not all_positions:
+            h = h[batch.last_token_index]
+        h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.ckpt.lm_head).float()

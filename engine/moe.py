@@ -1,0 +1,83 @@
+"""The one MoE interface the model calls: route, ask the expert store, run the configured kernel.
+
+`kernel=naive` is the per-expert loop Hugging Face runs; `kernel=fused` sorts tokens by expert
+once and runs the fused kernels of `moebench.kernels`. Each strategy counts its calls: that count
+is the evidence that the switch was honoured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.engine.routing_stats import RoutingStats
+
+
+class MoeKernel:
+    name = "base"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x, topk_weights, topk_ids, w13, w2) -> torch.Tensor:
+        self.calls += 1
+        return self.compute(x, topk_weights, topk_ids, w13, w2)
+
+    def compute(self, x, topk_weights, topk_ids, w13, w2) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evidence(self) -> dict:
+        return {f"{self.name}_calls": self.calls}
+
+
+class NaiveMoe(MoeKernel):
+    name = "naive"
+
+    def compute(self, x, topk_weights, topk_ids, w13, w2):
+        from moebench.kernels.reference import moe_reference
+
+        return moe_reference(x, topk_weights, topk_ids, w13, w2)
+
+
+class FusedMoe(MoeKernel):
+    name = "fused"
+
+    def __init__(self):
+        super().__init__()
+        from moebench.kernels import fused_moe
+
+        self._fused_moe = fused_moe
+
+    def compute(self, x, topk_weights, topk_ids, w13, w2):
+        return self._fused_moe(x, topk_weights, topk_ids, w13, w2)
+
+
+def make_kernel(name: str) -> MoeKernel:
+    return {"naive": NaiveMoe, "fused": FusedMoe}[name]()
+
+
+def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:
+    """A fused run must show fused calls and no naive call; a naive run, no fused call."""
+    fused, naive = evidence.get("fused_calls", 0), evidence.get("naive_calls", 0)
+    if kernel == "fused" and (fused == 0 or naive > 0):
+        return [f"kernel=fused but the fused kernel ran {fused} times and the naive loop {naive} times"]
+    if kernel == "naive" and fused > 0:
+        return [f"kernel=naive but the fused kernel ran {fused} times"]
+    return []
+
+
+class MoeBlock:
+    """Callable `(layer, x) -> moe output`, wiring router, prefetcher, expert store and kernel."""
+
+    def __init__(self, model_router, kernel: MoeKernel, store, prefetcher, stats: RoutingStats):
+        self.route = model_router
+        self.kernel = kernel
+        self.store = store
+        self.prefetcher = prefetcher
+        self.stats = stats
+
+    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x, layer)
+        self.stats.record(layer, topk_ids)
+        self.prefetcher.before_layer(layer, x, topk_ids)
+        w13, w2, slot_ids = self.store.fetch(layer, topk_ids)
+        return self.kernel(x, topk_weights, slot_ids, w13, w2)

@@ -1,0 +1,57 @@
+"""The configuration matrix: which switch settings a run measures, and their names."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+SWITCHES = ("kernel", "scheduler", "prefetch")
+OFF = {"kernel": "naive", "scheduler": "static", "prefetch": "off"}
+ON = {"kernel": "fused", "scheduler": "continuous", "prefetch": "lookahead"}
+
+
+@dataclass(frozen=True)
+class ConfigPoint:
+    name: str
+    kernel: str
+    scheduler: str
+    prefetch: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}
+
+
+def config_name(kernel: str, scheduler: str, prefetch: str) -> str:
+    values = {"kernel": kernel, "scheduler": scheduler, "prefetch": prefetch}
+    on = [s for s in SWITCHES if values[s] != OFF[s]]
+    if not on:
+        return "baseline"
+    if len(on) == len(SWITCHES):
+        return "all"
+    return "+".join(on)
+
+
+def point(kernel: str, scheduler: str, prefetch: str) -> ConfigPoint:
+    return ConfigPoint(config_name(kernel, scheduler, prefetch), kernel, scheduler, prefetch)
+
+
+def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False) -> list[ConfigPoint]:
+    """Baseline, each available optimization alone, all of them stacked; or every combination.
+
+    Stacked prefixes (kernel, kernel+scheduler) are added too, so the report can draw the waterfall.
+    """
+    def build(on: set[str]) -> ConfigPoint:
+        return point(**{s: (ON[s] if s in on else OFF[s]) for s in SWITCHES})
+
+    if factorial:
+        combos = [set(c) for r in range(len(available) + 1) for c in itertools.combinations(available, r)]
+    else:
+        combos = [set()] + [{s} for s in available]
+        combos += [set(available[:i]) for i in range(2, len(available) + 1)]
+    seen, points = set(), []
+    for on in combos:
+        p = build(on)
+        if p.name not in seen:
+            seen.add(p.name)
+            points.append(p)
+    return points

@@ -1,0 +1,74 @@
+"""What the manifest records about the machine and the software: enough to reproduce a run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+
+def measure_read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 3) -> float:
+    """Best of a few full reads of a buffer far larger than the caches (a `sum` streams it once)."""
+    import torch
+
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def package_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in ("moebench", "torch", "triton", "transformers", "safetensors", "tokenizers", "numpy"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def describe_machine(measure_bandwidth: bool = True) -> dict:
+    import torch
+
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu_name(),
+        "memory_read_gb_s": round(measure_read_bandwidth_gb_s(), 2) if measure_bandwidth else None,
+    }

@@ -1,0 +1,171 @@
+"""The measurement loop of a run: warm-up with activation checks, interleaved trials, samples
+appended as they complete, steps and the summary rewritten atomically after every trial."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moebench.errors import ActivationError
+from moebench.fileio import append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+
+console = Console(stderr=True)
+
+
+def _requests(suite, items, max_new_tokens):
+    from moebench.engine import Request
+
+    stop = tuple(suite.stop)
+    return [Request(item.id, suite.prompt(item), max_new_tokens, stop) for item in items]
+
+
+def _completed_trials(run_dir: Path) -> set[tuple[str, int]]:
+    f = run_dir / "trials.jsonl"
+    return {(r["config"], r["trial"]) for r in read_jsonl(f)} if f.exists() else set()
+
+
+def _drop_partial_samples(run_dir: Path, done: set[tuple[str, int]]) -> None:
+    """A trial's timing is only valid whole: samples of an unfinished trial are redone on resume."""
+    f = run_dir / "samples.jsonl"
+    if not f.exists():
+        return
+    kept = [r for r in read_jsonl(f) if (r["config"], r["trial"]) in done]
+    atomic_write_text(f, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _write_steps(run_dir: Path, steps: list[dict]) -> None:
+    import io
+
+    import pandas as pd
+
+    buf = io.BytesIO()
+    pd.DataFrame(steps).to_parquet(buf, index=False)
+    atomic_write_bytes(run_dir / "steps.parquet", buf.getvalue())
+
+
+def _load_steps(run_dir: Path, done: set[tuple[str, int]]) -> list[dict]:
+    f = run_dir / "steps.parquet"
+    if not f.exists():
+        return []
+    import pandas as pd
+
+    rows = pd.read_parquet(f).to_dict("records")
+    return [r for r in rows if (r["config"], int(r["trial"])) in done]
+
+
+def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items: int) -> None:
+    """Run a few items per config; a switched-on optimization that leaves no evidence stops the run."""
+    from moebench.engine import Engine
+
+    if n_items <= 0:
+        return
+    # enough requests that continuous batching must admit into a running batch
+    items = suite.items[: max(n_items, min(len(suite.items), base_runtime.batch_size + 2))]
+    for cfg in configs:
+        runtime = runtime_for(base_runtime, cfg)
+        with console.status(f"warm-up: {cfg.name}"):
+            result = Engine(ckpt, tokenizer, runtime).generate(_requests(suite, items, min(base_runtime.max_new_tokens, 64)))
+        if result.activation_errors and len(items) > base_runtime.batch_size:
+            raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
+
+
+def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base_runtime, args) -> None:
+    from moebench.engine import Engine
+    from moebench.run import _runtime_for, _sample_record
+
+    repeats = manifest["repeats"]
+    done = _completed_trials(run_dir)
+    _drop_partial_samples(run_dir, done)
+    steps = _load_steps(run_dir, done)
+    todo = [(t, c) for t in range(repeats) for c in configs if (c.name, t) not in done]
+    items_by_id = {item.id: item for item in suite.items}
+    requests = _requests(suite, suite.items, base_runtime.max_new_tokens)
+    if done:
+        console.print(f"resuming {run_dir}: {len(done)} trials done, {len(todo)} to go")
+    if todo:
+        warm_up(configs, ckpt, tokenizer, suite, base_runtime, _runtime_for, args["warmup"])
+
+    samples_file = run_dir / "samples.jsonl"
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
+    )
+    try:
+        with progress:
+            overall = progress.add_task("all trials", total=len(todo) * len(requests), rate="")
+            for trial, cfg in todo:
+                task = progress.add_task(f"{cfg.name} #{trial}", total=len(requests), rate="")
+                runtime = _runtime_for(base_runtime, cfg)
+                engine = Engine(ckpt, tokenizer, runtime)
+                started = time.perf_counter()
+                tokens = [0]
+
+                def on_complete(completion, cfg=cfg, trial=trial, task=task):
+                    record = _sample_record(cfg.name, trial, items_by_id[completion.id], suite, completion)
+                    append_jsonl(samples_file, record)
+                    tokens[0] += record["output_tokens"]
+                    rate = f"{tokens[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s"
+                    progress.update(task, advance=1, rate=rate)
+                    progress.update(overall, advance=1)
+
+                result = engine.generate(requests, on_complete=on_complete)
+                progress.remove_task(task)
+                decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
+                prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
+                if result.activation_errors and len(requests) > base_runtime.batch_size:
+                    raise ActivationError(f"config '{cfg.name}' trial {trial}: " + "; ".join(result.activation_errors))
+                append_jsonl(run_dir / "trials.jsonl", {
+                    "config": cfg.name, "trial": trial, "wall_s": result.wall_s,
+                    "decode_s": decode_s, "decode_tokens": decode_tokens,
+                    "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
+                    "output_tokens": sum(len(c.output_ids) for c in result.completions),
+                    "evidence": result.evidence, "activation_ok": not result.activation_errors,
+                    "activation_errors": result.activation_errors, "expert_load": result.expert_load,
+                })
+                steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
+                _write_steps(run_dir, steps)
+                progress.console.print(
+                    f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
+                    f"wall {result.wall_s:6.1f} s"
+                )
+    except KeyboardInterrupt:
+        kept = len(read_jsonl(samples_file)) if samples_file.exists() else 0
+        console.print(f"interrupted: {kept} samples kept in {run_dir}; continue with: moebench run --resume {run_dir}")
+        raise
+
+    write_summary(run_dir)
+
+
+def write_summary(run_dir: Path) -> dict:
+    from moebench.summary import build_summary
+
+    summary = build_summary(run_dir)
+    atomic_write_json(run_dir / "summary.json", summary)
+    print_summary(summary, run_dir)
+    return summary
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    table = Table(title=f"moebench run {summary.get('run_id', run_dir.name)}")
+    for col in ("config", "decode tok/s (95% CI)", "speedup (95% CI)", "accuracy", "identical", "activation"):
+        table.add_column(col)
+    for c in summary["configs"]:
+        tps = c["decode_tokens_per_s"]
+        acc = c["accuracy"]
+        vs = c.get("vs_baseline") or {}
+        speed = vs.get("speedup") or {}
+        table.add_row(
+            c["name"],
+            f"{tps['median']:.1f} ({tps['ci95'][0]:.1f}-{tps['ci95'][1]:.1f})" if tps.get("ci95") else f"{tps['median']:.1f}",
+            f"{speed['median']:.2f}x ({speed['ci95'][0]:.2f}-{speed['ci95'][1]:.2f})" if speed.get("ci95") else "-",
+            f"{acc['correct']}/{acc['total']} ({100 * acc['value']:.1f}%)",
+            f"{100 * vs['identical_outputs']:.1f}%" if vs.get("identical_outputs") is not None else "-",
+            "ok" if c["activation"]["ok"] else "FAILED",
+        )
+    Console().print(table)
+    console.print(f"results: {run_dir}")

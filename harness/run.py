@@ -1,0 +1,266 @@
+"""`moebench run`: measure one configuration, or the ablation matrix, on a suite.
+
+Trials are interleaved (A B C ... A B C ...) after a warm-up so that drift on a shared machine
+hits every configuration alike. Samples are appended as they complete, so an interrupted run
+keeps them and `--resume` continues it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moebench.ablation import SWITCHES, ConfigPoint, ablation_matrix, point
+from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_json
+
+BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
+IMPLEMENTED = {"kernel": ("naive", "fused"), "scheduler": ("static", "continuous"), "prefetch": ("off", "lookahead")}
+
+
+def bundled_model_path() -> Path:
+    return BUNDLED_MODEL
+
+
+def _implemented_switches() -> tuple[str, ...]:
+    """Switches whose optimized strategy exists in this build (the matrix holds only those)."""
+    from moebench.engine.expert_store import make_store_and_prefetcher  # noqa: F401
+    import moebench.engine.scheduler as scheduler_module
+
+    available = []
+    try:
+        import moebench.kernels  # noqa: F401
+
+        if hasattr(moebench.kernels, "fused_moe"):
+            available.append("kernel")
+    except ImportError:
+        pass
+    if hasattr(scheduler_module, "ContinuousScheduler"):
+        available.append("scheduler")
+    try:
+        from moebench.engine import prefetch  # noqa: F401
+
+        available.append("prefetch")
+    except ImportError:
+        pass
+    return tuple(available)
+
+
+def _runtime_for(base, cfg: ConfigPoint):
+    return replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
+
+
+def _model_summary(ckpt) -> dict:
+    c = ckpt.config
+    digest = hashlib.sha256()
+    for f in ckpt.files:
+        digest.update(f.name.encode())
+        digest.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+    return {
+        "path": str(ckpt.path),
+        "model_type": c.family,
+        "fingerprint": digest.hexdigest()[:16],
+        "num_params": ckpt.num_params,
+        "num_layers": c.num_layers,
+        "num_experts": c.num_experts,
+        "top_k": c.top_k,
+        "hidden_size": c.hidden_size,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "dtype": str(ckpt.checkpoint_dtype).replace("torch.", ""),
+    }
+
+
+def _sample_record(cfg_name, trial, item, suite, completion) -> dict:
+    score = suite.score(completion.text, item)
+    itl = completion.itl_s
+    return {
+        "config": cfg_name,
+        "trial": trial,
+        "item_id": item.id,
+        "prompt_tokens": completion.prompt_tokens,
+        "output": completion.text,
+        "answer": score.answer,
+        "answer_strict": score.answer_strict,
+        "target": item.target,
+        "correct": bool(score.correct),
+        "correct_strict": bool(score.correct_strict),
+        "output_tokens": len(completion.output_ids),
+        "finish_reason": completion.finish_reason,
+        "ttft_s": round(completion.ttft_s, 6),
+        "latency_s": round(completion.latency_s, 6),
+        "tpot_s": round(sum(itl) / len(itl), 6) if itl else None,
+        "itl_s": [round(x, 6) for x in itl],
+        "error": None,
+    }
+
+
+def run_command(
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory (config.json, *.safetensors, tokenizer.json). Default: the bundled gsm-synth MoE."),
+    suite: str = typer.Option("gsm-synth", "--suite", help="Suite: gsm-synth (bundled, default), gsm8k (5-shot), gsm8k_cot (8-shot)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Directory with GSM8K test.jsonl/train.jsonl (else $MOEBENCH_GSM8K_DIR, else the openai/gsm8k hub data set)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N items of the suite."),
+    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt (default: the prompt format's)."),
+    kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive (per-expert loop) or fused."),
+    scheduler: str = typer.Option("static", "--scheduler", help="Batching: static or continuous."),
+    prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
+    ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
+    factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
+    warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Generation limit per request (a hit counts as a truncation)."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Fraction of routed-expert weights kept resident (e.g. 0.5) or a size (8GB). Default 1.0."),
+    offload_tier: str = typer.Option("host", "--offload-tier", help="Where non-resident experts live: host or disk."),
+    admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
+    device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
+    seed: int = typer.Option(0, "--seed", help="Seed recorded in the manifest (decoding is greedy)."),
+    out: Path = typer.Option(Path("results"), "--out", help="Parent directory of the run directory."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: timestamp and model)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue an interrupted run directory with its own manifest."),
+):
+    """Generate answers for every item and config, score them, and write results/<run-id>/."""
+    from moebench.engine import RuntimeConfig
+
+    if resume is not None:
+        manifest = _read_manifest(resume)
+        run_dir = resume
+        args = manifest["args"]
+    else:
+        args = dict(
+            model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
+            num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
+            factorial=factorial, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
+            offload_tier=offload_tier, admission=admission, device=device, seed=seed,
+        )
+        run_dir = None
+    if args["repeats"] < 1:
+        raise MoebenchError(f"--repeats must be >= 1, got {args['repeats']}")
+    if args["factorial"] and not args["ablate"]:
+        raise MoebenchError("--factorial needs --ablate")
+
+    configs = _configs(args)
+    budget = args["expert_budget"]
+    if budget is None:
+        budget = "0.5" if (args["ablate"] and args["model"] is None and "prefetch" in _implemented_switches()) else "1.0"
+    base_runtime = RuntimeConfig(
+        device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
+        admission=args["admission"], expert_budget=_parse_budget(budget), offload_tier=args["offload_tier"],
+    )
+    for cfg in configs:  # fail on a bad switch before loading anything
+        _runtime_for(base_runtime, cfg)
+
+    from moebench.suites import load_suite
+
+    suite_obj = load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
+                           num_fewshot=args["num_fewshot"])
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    ckpt, tokenizer = _load_model(model_path, base_runtime)
+
+    if run_dir is None:
+        run_dir = out / (run_id or _default_run_id(ckpt, suite_obj.name))
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise MoebenchError(f"{run_dir}: already exists (choose another --run-id or use --resume {run_dir})")
+        manifest = _manifest(args, run_dir, ckpt, suite_obj, configs, base_runtime)
+        atomic_write_json(run_dir / "manifest.json", manifest)
+    from moebench.measure import measure
+
+    measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, base_runtime, args)
+
+
+def _parse_budget(text: str) -> float | str:
+    text = str(text).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        if text.upper().endswith(("GB", "MB", "GIB", "MIB")):
+            return text
+        raise MoebenchError(f"--expert-budget: expected a fraction such as 0.5 or a size such as 8GB, got '{text}'") from None
+    if not 0 < value <= 1:
+        raise MoebenchError(f"--expert-budget: a fraction must be in (0, 1], got {value}")
+    return value
+
+
+def _configs(args: dict) -> list[ConfigPoint]:
+    for switch in SWITCHES:
+        if args[switch] not in IMPLEMENTED[switch]:
+            raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
+    if args["ablate"]:
+        available = _implemented_switches()
+        if not available:
+            raise MoebenchError("--ablate: no optimization is implemented in this build")
+        return ablation_matrix(available, factorial=args["factorial"])
+    chosen = point(args["kernel"], args["scheduler"], args["prefetch"])
+    missing = [s for s in SWITCHES if getattr(chosen, s) != IMPLEMENTED[s][0] and s not in _implemented_switches()]
+    if missing:
+        raise MoebenchError(f"--{missing[0]} {getattr(chosen, missing[0])}: not implemented yet in this build")
+    return [chosen]
+
+
+def _load_model(path: Path, runtime):
+    from moebench.engine import load_checkpoint
+    from moebench.engine.loader import load_tokenizer
+
+    if runtime.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoebenchError("--device cuda: no CUDA device is available")
+    ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype)
+    return ckpt, load_tokenizer(path)
+
+
+def _default_run_id(ckpt, suite_name: str) -> str:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{ckpt.config.family}-{suite_name}"
+
+
+def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
+    from moebench.machine import describe_machine, git_commit, package_versions
+
+    return {
+        "schema": "moebench.manifest/1",
+        "run_id": run_dir.name,
+        "command": "moebench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "args": args,
+        "model": _model_summary(ckpt),
+        "suite": suite_obj.describe(),
+        "configs": [c.to_dict() for c in configs],
+        "baseline": configs[0].name,
+        "runtime": {
+            "device": runtime.device, "dtype": str(runtime.torch_dtype).replace("torch.", ""),
+            "batch_size": runtime.batch_size, "max_new_tokens": runtime.max_new_tokens,
+            "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
+            "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
+        },
+        "repeats": args["repeats"],
+        "warmup_items": args["warmup"],
+        "seed": args["seed"],
+        "git_commit": git_commit(),
+        "versions": package_versions(),
+        "machine": describe_machine(),
+    }
+
+
+def _read_manifest(run_dir: Path) -> dict:
+    f = run_dir / "manifest.json"
+    if not f.exists():
+        raise MoebenchError(f"{f}: no such file (not a moebench run directory)")
+    try:
+        manifest = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise MoebenchError(f"{f}: malformed JSON ({e.msg})") from None
+    if manifest.get("schema") != "moebench.manifest/1" or "args" not in manifest:
+        raise MoebenchError(f"{f}: not a moebench.manifest/1 file")
+    return manifest

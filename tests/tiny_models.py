@@ -1,0 +1,59 @@
+"""Tiny random checkpoints written by `transformers` itself, so the engine is tested against the
+reference implementation on exactly the files it would load in the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = {
+    # name: (family, overrides) — odd shapes on purpose: experts not a power of two,
+    # head_dim != hidden / heads, top-k 1, 2 and 4, with and without top-k renormalisation.
+    "qwen3_e6_k2_norm": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen3_e5_k1": ("qwen3_moe", dict(num_experts=5, num_experts_per_tok=1, norm_topk_prob=False)),
+    "qwen3_e7_k4": ("qwen3_moe", dict(num_experts=7, num_experts_per_tok=4, norm_topk_prob=False)),
+    "mixtral_e5_k2": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2)),
+    "mixtral_e3_k1": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
+}
+
+
+def make_tiny_checkpoint(directory: Path, name: str = "qwen3_e6_k2_norm", seed: int = 0, vocab_size: int = 211,
+                         dtype: torch.dtype = torch.float32, **extra) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    family, overrides = FAMILIES[name]
+    common = dict(vocab_size=vocab_size, hidden_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, initializer_range=0.15, max_position_embeddings=512,
+                  eos_token_id=None, pad_token_id=None, bos_token_id=None, tie_word_embeddings=False)
+    common.update(overrides)
+    common.update(extra)
+    torch.manual_seed(seed)
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, **common)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        config = MixtralConfig(intermediate_size=24, **common)
+        model = MixtralForCausalLM(config)
+    model = model.to(dtype).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def write_char_tokenizer(directory: Path, vocab_size: int = 211) -> Path:
+    """A WordLevel tokenizer over single characters, enough to run text through the engine."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, "</s>": 1}
+    for ch in chars:
+        vocab[ch] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<extra_{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
