@@ -1,0 +1,16 @@
+"""Shared pytest fixtures."""
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gsm8k_dir() -> Path:
+    """The offline GSM8K copy (test.jsonl, train.jsonl) next to the repository."""
+    path = (REPO / ".." / "shared" / "data" / "gsm8k").resolve()
+    if not (path / "test.jsonl").is_file():
+        pytest.skip(f"offline GSM8K data not found at {path}")
+    return path
