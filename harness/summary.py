@@ -544,6 +544,41 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
     return _clean(summary)
 
 
+def read_summary(path: Path) -> dict:
+    """A summary.json file, checked to be of this schema; MoebenchError naming it if not."""
+    path = Path(path)
+    if not path.is_file():
+        raise MoebenchError(f"{path}: missing")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoebenchError(f"{path}: not valid JSON ({e})") from None
+    schema = summary.get("schema") if isinstance(summary, dict) else None
+    if schema != SCHEMA:
+        raise MoebenchError(f"{path}: schema {schema!r}, expected {SCHEMA!r} "
+                            "(written by another moebench version: rebuild it from its results directory)")
+    if not isinstance(summary.get("configs"), list) or "baseline" not in summary:
+        raise MoebenchError(f"{path}: lacks 'configs' or 'baseline'")
+    return summary
+
+
+def load_summary(run_dir: Path) -> dict:
+    """A run's summary: its summary.json, or one built from the raw files when that is absent
+    or of another schema (the raw files are the source of truth). A path to a summary.json
+    file is read as is."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file():
+        return read_summary(run_dir)
+    path = run_dir / "summary.json"
+    if path.is_file():
+        try:
+            return read_summary(path)
+        except MoebenchError:
+            if not (run_dir / "manifest.json").is_file():
+                raise
+    return build_summary(run_dir)
+
+
 # ---------------------------------------------------------------- verdict
 
 def config_entry(summary: dict, name: str) -> dict:

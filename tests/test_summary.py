@@ -159,3 +159,17 @@ def test_unusable_input_names_the_file(tmp_path):
     (run / "manifest.json").write_text(json.dumps({**m, "baseline": "nope"}))
     with pytest.raises(MoebenchError, match="manifest.json.*baseline"):
         build_summary(run)
+
+
+def test_load_summary_prefers_current_file_and_rebuilds_old(tmp_path):
+    from moebench.summary import load_summary, read_summary
+
+    run = make_run(tmp_path)
+    built = build_summary(run)
+    (run / "summary.json").write_text(json.dumps({**built, "run_id": "from-file"}))
+    assert load_summary(run)["run_id"] == "from-file"
+    assert load_summary(run / "summary.json")["run_id"] == "from-file"
+    (run / "summary.json").write_text(json.dumps({**built, "schema": "moebench.summary/0"}))
+    assert load_summary(run) == built  # rebuilt from the raw files
+    with pytest.raises(MoebenchError, match="summary.json.*moebench.summary/1"):
+        read_summary(run / "summary.json")

@@ -1,0 +1,399 @@
+"""`moebench report`: report.md, a self-contained report.html and PNG plots for one run.
+
+The content is built once as a list of blocks (heading, paragraph, table, image, code) and
+rendered twice, to Markdown and to HTML, so both files always say the same thing. Every
+piece of text is escaped on the way out: model outputs may contain markup.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from moebench import plots
+from moebench.fileio import atomic_write_text
+from moebench.summary import config_entry, format_p, load_run, load_summary, verdict
+
+MAX_EXAMPLES = 8
+MAX_EXAMPLE_CHARS = 2000
+
+
+# ---------------------------------------------------------------- content blocks
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Para:
+    text: str
+    strong: bool = False
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Image:
+    caption: str
+    path: Path
+
+
+@dataclass
+class Code:
+    text: str
+    label: str = ""
+
+
+@dataclass
+class Doc:
+    title: str
+    blocks: list = field(default_factory=list)
+
+    def add(self, *blocks) -> None:
+        self.blocks.extend(blocks)
+
+
+# ---------------------------------------------------------------- formatting
+
+def _f(v: float | None, fmt: str = "{:.2f}", none: str = "n/a") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _ci(ci: list[float] | None, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    return "" if not ci else f" [{fmt.format(ci[0] * scale)}, {fmt.format(ci[1] * scale)}]"
+
+
+def _pct_change(new: float | None, old: float | None) -> str:
+    if new is None or old is None or old == 0:
+        return "n/a"
+    return f"{(new / old - 1) * 100:+.1f}%"
+
+
+def _acc(c: dict) -> str:
+    a = c["accuracy"]
+    if a["value"] is None:
+        return "n/a"
+    return f"{a['value']:.2%} ({a['correct']}/{a['total']})"
+
+
+def _lat(c: dict, key: str, stat: str) -> float | None:
+    return (c["latency"].get(key) or {}).get(stat)
+
+
+# ---------------------------------------------------------------- sections
+
+def _headline(summary: dict, base: dict, opt: dict) -> Table:
+    vb = opt.get("vs_baseline") or {}
+    sp = vb.get("speedup") or {}
+    bd, od = base["decode_tokens_per_s"], opt["decode_tokens_per_s"]
+    bo, oo = base["output_tokens_per_s"], opt["output_tokens_per_s"]
+    rows = [
+        ["Decode tokens/s (median [95% CI])", _f(bd["median"]) + _ci(bd["ci95"]),
+         _f(od["median"]) + _ci(od["ci95"]),
+         f"{_pct_change(od['median'], bd['median'])} (speedup {_f(sp.get('median'), '{:.2f}x')}"
+         f"{_ci(sp.get('ci95'))})"],
+        ["Output tokens/s (whole run)", _f(bo["median"]), _f(oo["median"]),
+         _pct_change(oo["median"], bo["median"])],
+        ["Accuracy (correct / total)", _acc(base), _acc(opt),
+         f"{_f(vb.get('accuracy_delta'), '{:+.2f}')} points{_ci(vb.get('accuracy_delta_ci95'))}"],
+        ["McNemar exact p (discordant baseline-only vs optimized-only)", "",
+         format_p(vb.get("mcnemar_p")),
+         f"{(vb.get('discordant') or {}).get('baseline_only', 'n/a')} vs "
+         f"{(vb.get('discordant') or {}).get('config_only', 'n/a')}"],
+        ["Identical outputs", "", _f(vb.get("identical_outputs"), "{:.1%}"),
+         f"{vb.get('differing_outputs', 'n/a')} differ"],
+    ]
+    for label, key, stat in (("Mean latency (s)", "latency_s", "mean"), ("P50 latency (s)", "latency_s", "p50"),
+                             ("P95 latency (s)", "latency_s", "p95"), ("Mean TTFT (s)", "ttft_s", "mean"),
+                             ("Mean TPOT (s)", "tpot_s", "mean")):
+        b, o = _lat(base, key, stat), _lat(opt, key, stat)
+        rows.append([label, _f(b, "{:.3f}"), _f(o, "{:.3f}"), _pct_change(o, b)])
+    rows += [
+        ["Output length P50 / P95 (tokens)",
+         f"{_f(base['output_tokens']['p50'], '{:.0f}')} / {_f(base['output_tokens']['p95'], '{:.0f}')}",
+         f"{_f(opt['output_tokens']['p50'], '{:.0f}')} / {_f(opt['output_tokens']['p95'], '{:.0f}')}", ""],
+        ["Errors / truncations", f"{base['errors']} / {base['truncations']}",
+         f"{opt['errors']} / {opt['truncations']}", ""],
+        ["Optimizations active", _active(base), _active(opt), ""],
+    ]
+    return Table(["metric", f"baseline ({base['name']})", f"optimized ({opt['name']})", "change"], rows)
+
+
+def _active(c: dict) -> str:
+    ok = c["activation"].get("ok")
+    return "unknown" if ok is None else ("yes" if ok else "NO")
+
+
+def _per_config(summary: dict) -> Table:
+    rows = []
+    for c in summary["configs"]:
+        vb = c.get("vs_baseline") or {}
+        sp = vb.get("speedup") or {}
+        d = c["decode_tokens_per_s"]
+        rows.append([
+            c["name"], str(c["kernel"]), str(c["scheduler"]), str(c["prefetch"]), str(c["trials"]),
+            _f(d["median"]) + _ci(d["ci95"]),
+            "1 (baseline)" if not vb else _f(sp.get("median"), "{:.2f}x") + _ci(sp.get("ci95")),
+            _acc(c) + _ci(c["accuracy"]["ci95"], "{:.1f}", 100),
+            "" if not vb else _f(vb.get("accuracy_delta"), "{:+.2f}") + _ci(vb.get("accuracy_delta_ci95")),
+            "" if not vb else format_p(vb.get("mcnemar_p")),
+            "" if not vb else _f(vb.get("identical_outputs"), "{:.1%}"),
+            _f(_lat(c, "ttft_s", "mean"), "{:.3f}"),
+            f"{_f(_lat(c, 'latency_s', 'p50'), '{:.2f}')} / {_f(_lat(c, 'latency_s', 'p95'), '{:.2f}')}",
+            f"{c['errors']} / {c['truncations']}",
+            _active(c),
+        ])
+    return Table(["config", "kernel", "scheduler", "prefetch", "trials", "decode tok/s [95% CI]",
+                  "speedup [95% CI]", "accuracy [95% CI %]", "Δ accuracy points [95% CI]", "McNemar p",
+                  "identical outputs", "mean TTFT s", "latency P50 / P95 s", "errors / truncations",
+                  "active"], rows)
+
+
+def _mcnemar_table(summary: dict) -> Table:
+    rows = []
+    for c in summary["configs"]:
+        vb = c.get("vs_baseline")
+        if not vb:
+            continue
+        d, cc = vb["discordant"], vb.get("concordant") or {}
+        rows.append([c["name"], str(vb["paired_items"]), str(cc.get("both_correct", "")),
+                     str(d["baseline_only"]), str(d["config_only"]), str(cc.get("both_wrong", "")),
+                     format_p(vb["mcnemar_p"]),
+                     _f(vb.get("accuracy_delta"), "{:+.2f}") + _ci(vb.get("accuracy_delta_ci95"))])
+    return Table(["config vs baseline", "paired items", "both correct", "baseline only", "config only",
+                  "both wrong", "McNemar exact p", "Δ points [95% CI]"], rows)
+
+
+def _engine_table(summary: dict) -> Table:
+    rows = []
+    for c in summary["configs"]:
+        b, s, r = c["batching"], c["expert_store"], c["roofline"]
+        rows.append([
+            c["name"], _f(b["mean_batch_size"], "{:.1f}"), _f(b["mean_distinct_experts"], "{:.1f}"),
+            _f(b["mean_expert_imbalance"], "{:.2f}"), _f(b["p95_queue_wait_s"], "{:.3f}"),
+            _f(s["hit_rate"], "{:.1%}"), _f(s["prefetch_precision"], "{:.1%}"), _f(s["stall_s"], "{:.3f}"),
+            _f(s["stall_share"], "{:.1%}"), _f(None if r["bytes_per_decode_step"] is None
+                                             else r["bytes_per_decode_step"] / 1e6, "{:.1f}"),
+            _f(r["limit_tokens_per_s"], "{:.1f}"), _f(r["achieved_fraction"], "{:.1%}"),
+        ])
+    return Table(["config", "batch size", "distinct experts", "expert imbalance", "P95 queue wait s",
+                  "store hit rate", "prefetch precision", "stall s / trial", "stall share",
+                  "MB read / decode step", "roofline tok/s", "achieved"], rows)
+
+
+def _activation_blocks(summary: dict) -> list:
+    rows = []
+    for c in summary["configs"]:
+        a = c["activation"]
+        ev = json.dumps(a.get("evidence"), sort_keys=True) if a.get("evidence") is not None else "n/a"
+        rows.append([c["name"], _active(c), ev, "; ".join(a.get("errors") or []) or "none"])
+    return [Heading("Activation evidence"),
+            Para("Each switched-on optimization must leave evidence that it ran (trial 0's counters shown). "
+                 "A configuration marked NO did not measure its optimization."),
+            Table(["config", "active", "evidence (trial 0)", "activation errors"], rows)]
+
+
+def _plain_words(summary: dict, opt: dict) -> str:
+    """What the run proves and what it does not, for the headline config."""
+    vb = opt.get("vs_baseline") or {}
+    sp = vb.get("speedup") or {}
+    parts = []
+    ci = sp.get("ci95")
+    trials = opt["trials"]
+    if sp.get("median") is None:
+        parts.append("This run has no decode timing, so it says nothing about speed.")
+    elif ci is None:
+        parts.append(f"The measured speedup of {opt['name']} over the baseline is {sp['median']:.2f}x, "
+                     "but with too few trials and no step data there is no interval, so it is not proven.")
+    elif ci[0] > 1:
+        parts.append(f"{opt['name']} decodes faster than the baseline: {sp['median']:.2f}x, and the 95% "
+                     f"interval ({ci[0]:.2f}-{ci[1]:.2f}x, {sp.get('ci_method')}) excludes no change.")
+    elif ci[1] < 1:
+        parts.append(f"{opt['name']} is slower than the baseline ({sp['median']:.2f}x, 95% CI "
+                     f"{ci[0]:.2f}-{ci[1]:.2f}x).")
+    else:
+        parts.append(f"A speed difference is not established: {sp['median']:.2f}x with a 95% interval "
+                     f"({ci[0]:.2f}-{ci[1]:.2f}x) that includes no change.")
+    if trials < 3 and ci is not None:
+        parts.append("With fewer than 3 trials the interval comes from resampling decode steps, which "
+                     "does not capture trial-to-trial drift of the machine.")
+    parts.append("Absolute tokens/s depend on this machine and its load; the ratio from interleaved "
+                 "trials is the measured effect.")
+    p, n = vb.get("mcnemar_p"), vb.get("paired_items") or 0
+    if p is not None and n:
+        dci = vb.get("accuracy_delta_ci95")
+        span = f"{dci[0]:+.2f} to {dci[1]:+.2f} points" if dci else "unknown"
+        if p >= 0.05:
+            parts.append(f"No accuracy change was detected on {n} paired items (McNemar exact p = "
+                         f"{format_p(p)}). That is not proof of equal accuracy: the 95% interval of the "
+                         f"difference runs from {span}, so a change inside it cannot be ruled out.")
+        else:
+            parts.append(f"Accuracy changed ({vb['accuracy_delta']:+.2f} points, 95% CI {span}, McNemar "
+                         f"exact p = {format_p(p)}): the optimization alters answers.")
+        same = vb.get("identical_outputs")
+        if same == 1:
+            parts.append("Every output matched the baseline's character for character, which is direct "
+                         "evidence that the answers did not change on these items.")
+        elif same is not None:
+            parts.append(f"{vb['differing_outputs']} of {n} outputs differ from the baseline's text "
+                         f"({1 - same:.1%}); examples below show where they diverge.")
+    inactive = [c["name"] for c in summary["configs"] if c["activation"].get("ok") is False]
+    unknown = [c["name"] for c in summary["configs"] if c["activation"].get("ok") is None]
+    if inactive:
+        parts.append(f"Not valid for {', '.join(inactive)}: a switched-on optimization left no evidence "
+                     "that it ran, so those numbers do not measure it.")
+    elif unknown:
+        parts.append(f"Activation is unrecorded for {', '.join(unknown)} (no trials.jsonl), so it is not "
+                     "shown that each optimization ran.")
+    else:
+        parts.append("Every configuration showed evidence that its optimizations ran.")
+    return " ".join(parts)
+
+
+def _examples(summary: dict, outputs: dict[tuple[str, str], str]) -> list:
+    blocks = []
+    shown = 0
+    for c in summary["configs"]:
+        vb = c.get("vs_baseline")
+        if not vb:
+            continue
+        for d in vb["first_divergence"]:
+            if shown >= MAX_EXAMPLES:
+                break
+            base_text = outputs.get((summary["baseline"], d["item_id"]), "")
+            cfg_text = outputs.get((c["name"], d["item_id"]), "")
+            blocks.append(Para(f"{c['name']}, item {d['item_id']}: first difference at character "
+                               f"{d['position']}."))
+            blocks.append(Code(base_text[:MAX_EXAMPLE_CHARS], f"baseline ({summary['baseline']})"))
+            blocks.append(Code(cfg_text[:MAX_EXAMPLE_CHARS], c["name"]))
+            shown += 1
+    if not blocks:
+        return [Para("No output differs from the baseline's.")]
+    return blocks
+
+
+def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Doc:
+    base = config_entry(summary, summary["baseline"])
+    opt = config_entry(summary, summary["optimized"]) if summary.get("optimized") else None
+    model, suite, machine = summary.get("model") or {}, summary.get("suite") or {}, summary.get("machine") or {}
+    doc = Doc(f"moebench report: {summary['run_id']}")
+    doc.add(Para(f"Model {model.get('model_type', 'unknown')} ({model.get('path', '')}), suite "
+                 f"{suite.get('name', 'unknown')} ({summary['n_items']} items, {summary.get('repeats')} "
+                 f"trials), machine {machine.get('cpu', 'unknown')}"
+                 f"{', GPU ' + str(machine['gpu']) if machine.get('gpu') else ''}, created "
+                 f"{summary.get('created')}, commit {summary.get('git_commit')}."))
+    doc.add(Heading("Verdict"))
+    if opt is None:
+        doc.add(Para("Only the baseline ran: there is nothing to compare."))
+    else:
+        doc.add(Para(verdict(summary), strong=True), _headline(summary, base, opt),
+                Heading("What this run proves", 3), Para(_plain_words(summary, opt)))
+    doc.add(Heading("All configurations"), _per_config(summary))
+    if len(summary["configs"]) > 1:
+        doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary))
+    doc.add(Heading("Batching, expert store and roofline"), _engine_table(summary))
+    doc.add(*_activation_blocks(summary))
+    if images:
+        doc.add(Heading("Plots"), *[Image(caption, path) for caption, path in images])
+    outputs = {(r.config, r.item_id): r.output
+               for r in samples.sort_values("trial", ascending=False).itertuples()}
+    doc.add(Heading("Examples of differing outputs"), *_examples(summary, outputs))
+    return doc
+
+
+# ---------------------------------------------------------------- renderers
+
+def _md_text(s: str) -> str:
+    # Markdown renders inline HTML, so escape it; '|' would split table cells.
+    return html.escape(s, quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(doc: Doc) -> str:
+    out = [f"# {_md_text(doc.title)}", ""]
+    for b in doc.blocks:
+        if isinstance(b, Heading):
+            out += ["#" * b.level + " " + _md_text(b.text), ""]
+        elif isinstance(b, Para):
+            out += [f"**{_md_text(b.text)}**" if b.strong else _md_text(b.text), ""]
+        elif isinstance(b, Table):
+            out.append("| " + " | ".join(_md_text(h) for h in b.header) + " |")
+            out.append("|" + "---|" * len(b.header))
+            out += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in b.rows]
+            out.append("")
+        elif isinstance(b, Image):
+            out += [f"![{_md_text(b.caption)}]({b.path.name})", ""]
+        elif isinstance(b, Code):
+            # A fence longer than any backtick run inside keeps model text from closing it.
+            longest = max((len(m) for m in re.findall(r"`+", b.text)), default=0)
+            fence = "`" * max(3, longest + 1)
+            out += [f"{_md_text(b.label)}:", "", fence, b.text, fence, ""]
+    return "\n".join(out)
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;
+text-align:left;vertical-align:top}th{background:#f0f0f0}pre{background:#f7f7f7;padding:0.8em;
+white-space:pre-wrap;word-break:break-word;border:1px solid #ddd}img{max-width:100%}
+figure{margin:1.5em 0}figcaption{font-size:0.9em;color:#555}.verdict{font-size:1.1em}"""
+
+
+def render_html(doc: Doc) -> str:
+    e = html.escape
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>{e(doc.title)}</title><style>{_CSS}</style></head><body>", f"<h1>{e(doc.title)}</h1>"]
+    for b in doc.blocks:
+        if isinstance(b, Heading):
+            out.append(f"<h{b.level}>{e(b.text)}</h{b.level}>")
+        elif isinstance(b, Para):
+            out.append(f'<p class="verdict"><strong>{e(b.text)}</strong></p>' if b.strong else f"<p>{e(b.text)}</p>")
+        elif isinstance(b, Table):
+            out.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr></thead><tbody>")
+            out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in b.rows]
+            out.append("</tbody></table>")
+        elif isinstance(b, Image):
+            data = base64.b64encode(b.path.read_bytes()).decode("ascii")
+            out.append(f'<figure><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
+                       f"<figcaption>{e(b.caption)}</figcaption></figure>")
+        elif isinstance(b, Code):
+            out.append(f"<p>{e(b.label)}:</p><pre>{e(b.text)}</pre>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- entry points
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write report.md, report.html and the plots; returns the report directory."""
+    run_dir = Path(run_dir)
+    run = load_run(run_dir)
+    summary = load_summary(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else Path("reports") / str(summary["run_id"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images = plots.all_plots(summary, run.samples, run.steps, out_dir)
+    doc = build_document(summary, run.samples, images)
+    atomic_write_text(out_dir / "report.md", render_markdown(doc))
+    atomic_write_text(out_dir / "report.html", render_html(doc))
+    return out_dir
+
+
+def report_command(
+    run_dir: Path = typer.Argument(..., help="A results directory written by `moebench run`."),
+    out: Path | None = typer.Option(None, "--out", help="Report directory (default: reports/<run-id>/)."),
+) -> None:
+    """Write a Markdown and a self-contained HTML report with plots for one run."""
+    out_dir = write_report(run_dir, out)
+    n_png = len(list(out_dir.glob("*.png")))
+    Console().print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.html'} and {n_png} plots")
