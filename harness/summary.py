@@ -400,8 +400,11 @@ def _activation(run: RunData, name: str) -> dict:
     t = run.trials[run.trials["config"] == name]
     if t.empty:
         return {"ok": None, "evidence": None, "errors": []}
-    flags = t["activation_ok"].tolist() if "activation_ok" in t else []
-    ok = bool(flags) and all(f is True for f in flags)
+    if "activation_ok" in t:
+        # A trial that does not say it activated counts as not activated.
+        ok: bool | None = all(f is True or f == 1 for f in t["activation_ok"].tolist())
+    else:
+        ok = None  # the orchestrator recorded no verdict at all: unknown, not failed
     errors: list[str] = []
     for trial, errs in zip(t["trial"], t["activation_errors"] if "activation_errors" in t else []):
         for e in errs if isinstance(errs, list) else []:

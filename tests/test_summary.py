@@ -173,3 +173,24 @@ def test_load_summary_prefers_current_file_and_rebuilds_old(tmp_path):
     assert load_summary(run) == built  # rebuilt from the raw files
     with pytest.raises(MoebenchError, match="summary.json.*moebench.summary/1"):
         read_summary(run / "summary.json")
+
+
+def test_errors_and_missing_fields(tmp_path):
+    run = make_run(tmp_path, configs=("baseline", "kernel"))
+    lines = (run / "samples.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    for r in rows:
+        if r["config"] == "kernel" and r["item_id"] == "synth/11":
+            r.update(correct=None, error="worker crashed", finish_reason="error", output="",
+                     ttft_s=None, latency_s=None)
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trials = [json.loads(line) for line in (run / "trials.jsonl").read_text().splitlines()]
+    for t in trials:
+        t.pop("activation_ok")
+    (run / "trials.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trials))
+    s = build_summary(run)
+    k = config_entry(s, "kernel")
+    assert k["errors"] == 3 and k["accuracy"]["correct"] == 35
+    assert k["vs_baseline"]["discordant"] == {"baseline_only": 1, "config_only": 0}
+    assert k["activation"]["ok"] is None
+    json.dumps(s, allow_nan=False)
