@@ -2,7 +2,6 @@
 
 import sys
 
-import click
 import typer
 
 from moebench.errors import MoebenchError
@@ -15,27 +14,24 @@ app = typer.Typer(
     add_completion=False,
 )
 
+@app.callback()
+def _root() -> None:
+    """moebench: decode tokens/s, accuracy and a statistical verdict for MoE inference optimizations."""
+
+
 # Command registrations (one line per command, each module owns its command function).
+from moebench import gate, report  # noqa: E402
 from moebench.run import run_command  # noqa: E402
 
 app.command("run")(run_command)
+app.command("report")(report.report_command)
+app.command("gate")(gate.gate_command)
 
 
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:
-        app(standalone_mode=False)
+        app()
     except MoebenchError as e:
         print(f"moebench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        print("moebench: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("moebench: interrupted", file=sys.stderr)
-        sys.exit(130)

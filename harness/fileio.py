@@ -16,6 +16,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results and reports are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
