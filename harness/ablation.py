@@ -16,9 +16,22 @@ class ConfigPoint:
     kernel: str
     scheduler: str
     prefetch: str
+    quantize: str = "none"  # "int4" etc.: the approximate negative control, never an exact optimization
+
+    @property
+    def approximate(self) -> bool:
+        return self.quantize != "none"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}
+        d = {"name": self.name, "kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}
+        if self.approximate:
+            d.update(quantize=self.quantize, approximate=True)
+        return d
+
+
+def negative_control(scheme: str) -> ConfigPoint:
+    """The baseline's switches with RTN-quantized experts: answers should change, and be caught."""
+    return ConfigPoint(scheme, OFF["kernel"], OFF["scheduler"], OFF["prefetch"], quantize=scheme)
 
 
 def config_name(kernel: str, scheduler: str, prefetch: str) -> str:

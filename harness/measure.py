@@ -58,6 +58,23 @@ def _load_steps(run_dir: Path, done: set[tuple[str, int]]) -> list[dict]:
     return [r for r in rows if (r["config"], int(r["trial"])) in done]
 
 
+class CheckpointVariants:
+    """The loaded checkpoint, plus RTN-quantized copies for negative-control configs (made once)."""
+
+    def __init__(self, ckpt):
+        self.base = ckpt
+        self._quantized = {}
+
+    def __call__(self, cfg):
+        if not getattr(cfg, "approximate", False):
+            return self.base
+        if cfg.quantize not in self._quantized:
+            from moebench.engine.quantize import quantize_experts
+
+            self._quantized[cfg.quantize] = quantize_experts(self.base, cfg.quantize)
+        return self._quantized[cfg.quantize]
+
+
 def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items: int) -> None:
     """Run a few items per config; a switched-on optimization that leaves no evidence stops the run."""
     from moebench.engine import Engine
@@ -69,7 +86,7 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
     for cfg in configs:
         runtime = runtime_for(base_runtime, cfg)
         with console.status(f"warm-up: {cfg.name}"):
-            result = Engine(ckpt, tokenizer, runtime).generate(_requests(suite, items, min(base_runtime.max_new_tokens, 64)))
+            result = Engine(ckpt(cfg), tokenizer, runtime).generate(_requests(suite, items, min(base_runtime.max_new_tokens, 64)))
         if result.activation_errors and len(items) > base_runtime.batch_size:
             raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
 
@@ -79,6 +96,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     from moebench.run import _runtime_for, _sample_record
 
     repeats = manifest["repeats"]
+    ckpt = CheckpointVariants(ckpt)
     done = _completed_trials(run_dir)
     _drop_partial_samples(run_dir, done)
     steps = _load_steps(run_dir, done)
@@ -101,7 +119,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
             for trial, cfg in todo:
                 task = progress.add_task(f"{cfg.name} #{trial}", total=len(requests), rate="")
                 runtime = _runtime_for(base_runtime, cfg)
-                engine = Engine(ckpt, tokenizer, runtime)
+                engine = Engine(ckpt(cfg), tokenizer, runtime)
                 started = time.perf_counter()
                 tokens = [0]
 

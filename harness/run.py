@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from moebench.ablation import SWITCHES, ConfigPoint, ablation_matrix, point
+from moebench.ablation import SWITCHES, ConfigPoint, ablation_matrix, negative_control, point
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_json
 
@@ -126,6 +126,7 @@ def run_command(
     seed: int = typer.Option(0, "--seed", help="Seed recorded in the manifest (decoding is greedy)."),
     out: Path = typer.Option(Path("results"), "--out", help="Parent directory of the run directory."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: timestamp and model)."),
+    negative_control_: Optional[str] = typer.Option(None, "--negative-control", help="Add an approximate config that SHOULD change answers (int4, int3 or int2 round-to-nearest experts), proving the accuracy check has power."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue an interrupted run directory with its own manifest."),
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
@@ -142,6 +143,7 @@ def run_command(
             factorial=factorial, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, device=device, seed=seed,
+            negative_control=negative_control_,
         )
         run_dir = None
     if args["repeats"] < 1:
@@ -192,6 +194,19 @@ def _parse_budget(text: str) -> float | str:
 
 
 def _configs(args: dict) -> list[ConfigPoint]:
+    configs = _exact_configs(args)
+    if args.get("negative_control"):
+        from moebench.engine.quantize import SCHEMES
+
+        if args["negative_control"] not in SCHEMES:
+            raise MoebenchError(f"--negative-control: unknown scheme '{args['negative_control']}' (choose from: {', '.join(SCHEMES)})")
+        if configs[0].name != "baseline":
+            raise MoebenchError("--negative-control needs the baseline in the run (use --ablate)")
+        configs.append(negative_control(args["negative_control"]))
+    return configs
+
+
+def _exact_configs(args: dict) -> list[ConfigPoint]:
     for switch in SWITCHES:
         if args[switch] not in IMPLEMENTED[switch]:
             raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
