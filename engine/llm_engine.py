@@ -56,6 +56,14 @@ class GenerationResult:
         return tokens, seconds
 
 
+def _burn(seconds: float) -> None:
+    """Real extra work (matrix products, not a sleep) for the gate's power benchmark only."""
+    x = torch.ones(64, 64)
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        x = torch.tanh(x @ x * 1e-3)
+
+
 class Engine:
     def __init__(self, ckpt: Checkpoint, tokenizer, runtime: RuntimeConfig):
         self.ckpt = ckpt
@@ -151,6 +159,9 @@ class Engine:
         next_ids = logits.argmax(dim=-1).tolist()
         if rt.device == "cuda":
             torch.cuda.synchronize()
+        slowdown = rt.extra.get("inject_slowdown")
+        if slowdown:
+            _burn(slowdown * (time.perf_counter() - start))
         end = time.perf_counter()
 
         routing = stats.take_step()
