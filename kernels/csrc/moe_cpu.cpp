@@ -1,0 +1,296 @@
+// CPU fused mixture-of-experts forward: AVX2/FMA micro-kernels threaded with OpenMP.
+//
+// Decode-time MoE on a CPU is bound by memory bandwidth: every routed expert's weights are
+// read once per step and each row meets only a handful of tokens. torch's skinny matmuls
+// stream those weights at well under the machine's read bandwidth, so this file does the
+// whole layer in one call with kernels shaped for streaming:
+//
+//   1. counting sort of the (token, top-k slot) pairs by expert, once;
+//   2. gate/up: for each (expert, block of intermediate rows) work item, the gate and up
+//      rows are dotted with all of that expert's tokens in one pass, and SiLU(gate) * up is
+//      written straight into the intermediate buffer (never materialising gate or up);
+//   3. down: for each block of output rows, every active expert's rows are dotted with its
+//      intermediate rows and accumulated into the output, already multiplied by the routed
+//      weight. A thread owns its output rows, so the top-k reduction needs no atomics and
+//      adds experts in a fixed (ascending) order: results do not depend on the thread count.
+//
+// Micro-kernels keep several weight rows and several tokens in flight: several accumulators
+// hide FMA latency, several row streams keep the hardware prefetchers busy, and a weight row
+// loaded into a register is reused across up to three tokens.
+//
+// Weights may be float32 or bfloat16 (widened to float32 in registers: this is a plain shift,
+// and halves the bytes streamed); activations and accumulation are float32.
+// The weight tensors may be any strided view whose last dimension is contiguous: an expert
+// store hands in a pool of slots that changes between calls, so nothing is pre-packed.
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ---- loads: 8 weights as float32 -------------------------------------------------------
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen the 16-bit lanes to 32 bits and shift.
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[r * T + t] = dot(w[r][0:K], x[t][0:K]) for R weight rows and T tokens.
+// R * T accumulators plus T activation registers must fit in the 16 ymm registers.
+template <int R, int T, typename W>
+inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float* out) {
+  __m256 acc[R][T];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x[t] + k);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = load8(w[r] + k);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float s = hsum(acc[r][t]);
+      for (int64_t kk = k; kk < K; ++kk) s += load1(w[r] + kk) * x[t][kk];
+      out[r * T + t] = s;
+    }
+}
+
+// Dots a group of 8 weight rows with n tokens, tile by tile, calling
+// epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token t.
+// One token: all 8 rows at once (8 accumulators, 8 row streams). Two or three tokens: two
+// passes of 4 rows, so each loaded weight vector feeds 2-3 FMAs; the rows stay in L1/L2
+// between passes, so memory still sees each row once.
+template <typename W, typename Epi>
+inline void rows8_tokens(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi) {
+  float o[8 * 3];
+  int64_t t = 0;
+  for (; n - t >= 3; t += 3) {
+    dot_tile<4, 3>(w, x + t, K, o);
+    dot_tile<4, 3>(w + 4, x + t, K, o + 12);
+    epi(t, 3, o);
+  }
+  if (n - t == 2) {
+    dot_tile<4, 2>(w, x + t, K, o);
+    dot_tile<4, 2>(w + 4, x + t, K, o + 8);
+    epi(t, 2, o);
+  } else if (n - t == 1) {
+    dot_tile<8, 1>(w, x + t, K, o);
+    epi(t, 1, o);
+  }
+}
+
+// Same for a group of 2 rows (the remainder when a width is not a multiple of the group).
+template <typename W, typename Epi>
+inline void rows2_tokens(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi) {
+  float o[2 * 4];
+  int64_t t = 0;
+  for (; n - t >= 4; t += 4) {
+    dot_tile<2, 4>(w, x + t, K, o);
+    epi(t, 4, o);
+  }
+  for (; t < n; ++t) {
+    dot_tile<2, 1>(w, x + t, K, o);
+    epi(t, 1, o);
+  }
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// Rows per work item. Gate/up: 16 intermediate rows = 32 weight rows; down: 32 output rows.
+// Large enough that the OpenMP scheduling cost is negligible next to streaming the rows,
+// small enough that there are many items to balance over the threads.
+constexpr int64_t kGateUpBlock = 16;
+constexpr int64_t kDownBlock = 32;
+
+template <typename W>
+void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t* topk_ids, int64_t N,
+                 int64_t K_top, const W* w13, int64_t s13e, int64_t s13r, const W* w2, int64_t s2e,
+                 int64_t s2r, int64_t E, int64_t H, int64_t I, float* out, int num_threads) {
+  const int64_t P = N * K_top;
+
+  // 1. Counting sort of the pairs by expert (stable: tokens keep their order in a group).
+  std::vector<int64_t> offs(E + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t e = topk_ids[p];
+    TORCH_CHECK(e >= 0 && e < E, "fused_moe_cpu: expert id ", e, " out of range [0, ", E, ")");
+    offs[e + 1]++;
+  }
+  for (int64_t e = 0; e < E; ++e) offs[e + 1] += offs[e];
+  std::vector<int64_t> fill(offs.begin(), offs.end() - 1);
+  std::vector<int64_t> tok(P);
+  std::vector<float> wgt(P);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t q = fill[topk_ids[p]]++;
+    tok[q] = p / K_top;
+    wgt[q] = topk_w[p];
+  }
+  std::vector<int64_t> active;  // experts that received tokens, ascending
+  for (int64_t e = 0; e < E; ++e)
+    if (offs[e + 1] > offs[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+
+  // Per-pair pointers: the token's activation row, and its intermediate row.
+  std::vector<float> hbuf(static_cast<size_t>(P) * I);
+  std::vector<const float*> xrow(P), hrow(P);
+  for (int64_t q = 0; q < P; ++q) {
+    xrow[q] = x + tok[q] * ldx;
+    hrow[q] = hbuf.data() + q * I;
+  }
+
+  const int64_t nb_gu = (I + kGateUpBlock - 1) / kGateUpBlock;
+  const int64_t nb_dn = (H + kDownBlock - 1) / kDownBlock;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < A * nb_gu; ++item) {
+      const int64_t e = active[item / nb_gu];
+      const int64_t j0 = (item % nb_gu) * kGateUpBlock, j1 = std::min(I, j0 + kGateUpBlock);
+      const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
+      const W* we = w13 + e * s13e;
+      const float* const* xs = xrow.data() + q0;
+      float* hb = hbuf.data() + q0 * I;
+      int64_t j = j0;
+      // Groups of 4 intermediate rows: gate rows j..j+3 and up rows I+j..I+j+3.
+      for (; j + 4 <= j1; j += 4) {
+        const W* rows[8];
+        for (int g = 0; g < 4; ++g) {
+          rows[g] = we + (j + g) * s13r;
+          rows[4 + g] = we + (I + j + g) * s13r;
+        }
+        rows8_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
+          for (int t = 0; t < tt; ++t)
+            for (int g = 0; g < 4; ++g)
+              hb[(t0 + t) * I + j + g] = silu(o[g * tt + t]) * o[(4 + g) * tt + t];
+        });
+      }
+      for (; j < j1; ++j) {
+        const W* rows[2] = {we + j * s13r, we + (I + j) * s13r};
+        rows2_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
+          for (int t = 0; t < tt; ++t) hb[(t0 + t) * I + j] = silu(o[t]) * o[tt + t];
+        });
+      }
+    }
+    // (implicit barrier: every intermediate row is ready)
+
+    // 3. down projection, routed weight and top-k sum, one item per block of output rows.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < nb_dn; ++b) {
+      const int64_t r0 = b * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
+      for (int64_t t = 0; t < N; ++t) std::memset(out + t * H + r0, 0, sizeof(float) * (r1 - r0));
+      for (int64_t a = 0; a < A; ++a) {
+        const int64_t e = active[a];
+        const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
+        const W* we = w2 + e * s2e;
+        const float* const* hs = hrow.data() + q0;
+        const int64_t* tk = tok.data() + q0;
+        const float* wq = wgt.data() + q0;
+        int64_t r = r0;
+        for (; r + 8 <= r1; r += 8) {
+          const W* rows[8];
+          for (int g = 0; g < 8; ++g) rows[g] = we + (r + g) * s2r;
+          rows8_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
+            for (int t = 0; t < tt; ++t) {
+              float* dst = out + tk[t0 + t] * H + r;
+              const float sw = wq[t0 + t];
+              for (int g = 0; g < 8; ++g) dst[g] += sw * o[g * tt + t];
+            }
+          });
+        }
+        for (; r + 2 <= r1; r += 2) {
+          const W* rows[2] = {we + r * s2r, we + (r + 1) * s2r};
+          rows2_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
+            for (int t = 0; t < tt; ++t) {
+              float* dst = out + tk[t0 + t] * H + r;
+              const float sw = wq[t0 + t];
+              dst[0] += sw * o[t];
+              dst[1] += sw * o[tt + t];
+            }
+          });
+        }
+        for (; r < r1; ++r) {
+          const W* row = we + r * s2r;
+          for (int64_t t = 0; t < n; ++t) {
+            float o;
+            dot_tile<1, 1>(&row, hs + t, I, &o);
+            out[tk[t] * H + r] += wq[t] * o;
+          }
+        }
+      }
+    }
+  }
+}
+
+// x [N, H] float32 (last dim contiguous), topk_weights [N, k] float32, topk_ids [N, k] int64,
+// w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (last dims contiguous). Returns [N, H] float32.
+torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
+                        torch::Tensor w2) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "fused_moe_cpu: x must be a float32 [N, H] tensor with a contiguous last dimension");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "fused_moe_cpu: w13 must be [E, 2I, H] and w2 [E, H, I]");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
+                  (w13.scalar_type() == torch::kFloat32 || w13.scalar_type() == torch::kBFloat16),
+              "fused_moe_cpu: weights must both be float32 or both bfloat16");
+  TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1, "fused_moe_cpu: weight rows must be contiguous");
+  const int64_t N = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H, "fused_moe_cpu: w13 shape ", w13.sizes(),
+              " does not match hidden size ", H);
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I, "fused_moe_cpu: w2 shape ", w2.sizes(),
+              " does not match w13 ", w13.sizes());
+  auto tw = topk_weights.to(torch::kFloat32).contiguous();
+  auto ti = topk_ids.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ti.dim() == 2 && ti.size(0) == N && tw.sizes() == ti.sizes(),
+              "fused_moe_cpu: topk_weights and topk_ids must both be [N, k]");
+  auto out = torch::empty({N, H}, x.options());
+  if (N == 0) return out;
+  const int threads = std::max(1, at::get_num_threads());
+  {
+    // Release the GIL: a prefetch thread may load the next layer's experts meanwhile.
+    pybind11::gil_scoped_release no_gil;
+    if (w13.scalar_type() == torch::kFloat32) {
+      moe_forward<float>(x.data_ptr<float>(), x.stride(0), tw.data_ptr<float>(), ti.data_ptr<int64_t>(), N,
+                         ti.size(1), w13.data_ptr<float>(), w13.stride(0), w13.stride(1), w2.data_ptr<float>(),
+                         w2.stride(0), w2.stride(1), E, H, I, out.data_ptr<float>(), threads);
+    } else {
+      moe_forward<at::BFloat16>(x.data_ptr<float>(), x.stride(0), tw.data_ptr<float>(), ti.data_ptr<int64_t>(), N,
+                                ti.size(1), w13.data_ptr<at::BFloat16>(), w13.stride(0), w13.stride(1),
+                                w2.data_ptr<at::BFloat16>(), w2.stride(0), w2.stride(1), E, H, I,
+                                out.data_ptr<float>(), threads);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights)");
+}

@@ -1,0 +1,112 @@
+"""Plain PyTorch reference implementations: the ground truth every kernel is tested against.
+
+`moe_reference` is also the engine's `kernel=naive` path, so it is written the way Hugging Face
+runs an MoE block (a Python loop over experts, gather -> two matmuls -> scatter-add), minus
+the needless parts: one sort and one bincount find each expert's tokens, and the loop visits
+only experts that received tokens (Hugging Face builds a one-hot mask over all experts and
+scans it per expert). The optimization it is the baseline for is fusion, not this bookkeeping.
+
+Tie rule for routing: when scores are equal, the lower index wins (experts and groups alike).
+`torch.topk` does not promise any order among equal values, so selection goes through a stable
+descending sort; the Triton routing kernels follow the same rule and are tested on ties.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index"]
+
+
+def topk_lowest_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k along the last dimension, descending, ties broken by the lower index."""
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def route_softmax_topk(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """Softmax router (Qwen3-MoE, Mixtral, OLMoE): softmax over all experts in float32, top-k.
+
+    With `renormalize` (Qwen3-MoE's `norm_topk_prob=True`, Mixtral) the k weights are divided by
+    their sum. Returns (weights [N, k] float32, ids [N, k] int64).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = topk_lowest_index(probs, top_k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_grouped_sigmoid(
+    router_logits: Tensor,
+    e_score_correction_bias: Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3 / Ling (bailing) router: sigmoid scores with group-limited top-k.
+
+    The correction bias is added to the scores only to choose experts. Experts are split into
+    `n_group` equal groups; each group is ranked by the sum of its two best biased scores, the
+    best `topk_group` groups are kept, and the top-k experts are chosen among them. The weights
+    are the unbiased sigmoid scores of the chosen experts, divided by their sum when
+    `renormalize`, then multiplied by `routed_scaling_factor`.
+
+    Experts outside the kept groups are masked with -inf (not 0, as some implementations do):
+    biased scores can be negative, and a masked expert must never be chosen.
+    """
+    n, e = router_logits.shape
+    scores = torch.sigmoid(router_logits.float())
+    biased = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if n_group > 1 and topk_group < n_group:
+        if e % n_group:
+            raise ValueError(f"route_grouped_sigmoid: {e} experts do not split into {n_group} groups")
+        grouped = biased.view(n, n_group, e // n_group)
+        best2 = topk_lowest_index(grouped, min(2, e // n_group))[0]
+        group_scores = best2.sum(dim=-1)
+        _, group_ids = topk_lowest_index(group_scores, topk_group)
+        keep = torch.zeros(n, n_group, dtype=torch.bool, device=router_logits.device)
+        keep.scatter_(1, group_ids, True)
+        keep = keep.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+        biased = biased.masked_fill(~keep, float("-inf"))
+    _, ids = topk_lowest_index(biased, top_k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """SwiGLU mixture of experts, one expert at a time (the `kernel=naive` baseline).
+
+    x [N, H]; topk_weights, topk_ids [N, k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I].
+    `E` is whatever the weight tensors hold (a pool of resident slots is fine); ids index it.
+    For each expert that received tokens: gather them, h = silu(x @ gate.T) * (x @ up.T),
+    y = h @ w2.T, scale by the routing weight and add into the output, in x.dtype.
+    """
+    n, k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    if n == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync
+    token_of = order // k
+    weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of[start : start + count]
+        xs = x[tokens]
+        w = w13[expert]
+        h = F.silu(xs @ w[:inter].T) * (xs @ w[inter:].T)
+        y = (h @ w2[expert].T) * weight_of[start : start + count, None]
+        out.index_add_(0, tokens, y)
+        start += count
+    return out

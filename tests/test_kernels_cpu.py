@@ -1,0 +1,131 @@
+"""CPU fused MoE (C++ extension and the grouped torch fallback) against the reference."""
+
+import itertools
+import shutil
+
+import pytest
+import torch
+
+from moebench.kernels import cpu_backend, fused_moe, fused_moe_cpu, moe_reference, route_softmax_topk
+from moebench.kernels.cpu_moe import BACKEND_CPP, fused_moe_cpu_torch, load_extension
+
+TOKENS = [1, 3, 17, 64]
+EXPERTS = [7, 16, 60]
+TOPK = [1, 2, 8]
+GRID = [(n, e, k) for n, e, k in itertools.product(TOKENS, EXPERTS, TOPK) if k <= e]
+
+
+def make_case(n, e, k, h_dim, inter, seed, dtype=torch.float32, skip_experts=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h_dim, generator=g)
+    w13 = torch.randn(e, 2 * inter, h_dim, generator=g) * h_dim**-0.5
+    w2 = torch.randn(e, h_dim, inter, generator=g) * inter**-0.5
+    logits = torch.randn(n, e, generator=g)
+    if skip_experts and e > k + 2:
+        logits[:, 1::3] = -1e4  # a third of the experts never receive a token
+    weights, ids = route_softmax_topk(logits, k, True)
+    return x.to(dtype), weights, ids, w13.to(dtype), w2.to(dtype)
+
+
+def assert_close_to_reference(out, ref, tol=1e-4):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    scale = ref.abs().max().item()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(scale, 1e-6), f"max abs diff {err:.3g} vs output scale {scale:.3g}"
+
+
+def _toolchain_present() -> bool:
+    return shutil.which("c++") is not None and shutil.which("ninja") is not None and torch.cpu._is_avx2_supported()
+
+
+@pytest.mark.skipif(not _toolchain_present(), reason="no C++ compiler, ninja or AVX2 here")
+def test_extension_builds_where_a_toolchain_exists():
+    load_extension()
+    assert cpu_backend() == BACKEND_CPP
+
+
+@pytest.mark.parametrize("n,e,k", GRID)
+def test_fused_cpu_matches_reference(n, e, k):
+    # Odd widths exercise every remainder path: H % 8 (vector tail), I % 4 and H % 32 row groups.
+    h_dim, inter = (71, 22) if (n + e + k) % 2 else (64, 33)
+    x, weights, ids, w13, w2 = make_case(n, e, k, h_dim, inter, seed=n * 1000 + e * 10 + k)
+    ref = moe_reference(x, weights, ids, w13, w2)
+    assert_close_to_reference(fused_moe_cpu(x, weights, ids, w13, w2), ref)
+    assert_close_to_reference(fused_moe(x, weights, ids, w13, w2), ref)
+
+
+@pytest.mark.parametrize("n,e,k", [(1, 7, 2), (17, 16, 8), (64, 60, 8), (3, 60, 1)])
+def test_torch_fallback_matches_reference(n, e, k):
+    x, weights, ids, w13, w2 = make_case(n, e, k, 40, 24, seed=n + e + k)
+    ref = moe_reference(x, weights, ids, w13, w2)
+    assert_close_to_reference(fused_moe_cpu_torch(x, weights, ids, w13, w2), ref)
+
+
+def test_slot_pool_views_and_strides():
+    """An expert store passes a pool of slots: views with offsets and unusual strides."""
+    n, e, k, h_dim, inter = 9, 6, 2, 48, 20
+    x, weights, ids, w13, w2 = make_case(n, e, k, h_dim, inter, seed=5, skip_experts=False)
+    ref = moe_reference(x, weights, ids, w13, w2)
+    pool13 = torch.zeros(e + 3, 2 * inter, h_dim)
+    pool13[2 : e + 2] = w13
+    pool2 = torch.zeros(h_dim, e + 1, inter).transpose(0, 1)  # expert stride != H * I
+    pool2[:e] = w2
+    v13, v2 = pool13[2 : e + 2], pool2[:e]
+    assert not v2.is_contiguous()
+    assert_close_to_reference(fused_moe_cpu(x, weights, ids, v13, v2), ref)
+    assert_close_to_reference(fused_moe_cpu_torch(x, weights, ids, v13, v2), ref)
+    # Row-interleaved layout: rows of one expert are not adjacent in memory.
+    rows13 = torch.zeros(2 * inter, e, h_dim).transpose(0, 1)
+    rows13.copy_(w13)
+    assert_close_to_reference(fused_moe_cpu(x, weights, ids, rows13, w2), ref)
+
+
+def test_strided_activations_and_weight_dtypes():
+    n, e, k = 5, 8, 2
+    x, weights, ids, w13, w2 = make_case(n, e, k, 32, 16, seed=11)
+    wide = torch.zeros(n, 64)
+    wide[:, ::2] = x  # last-dim stride 2 must be handled (copied) correctly
+    ref = moe_reference(x, weights, ids, w13, w2)
+    assert_close_to_reference(fused_moe_cpu(wide[:, ::2], weights, ids, w13, w2), ref)
+    # Routing weights in half precision and int32 ids are accepted.
+    assert_close_to_reference(fused_moe_cpu(x, weights.half().float(), ids.int(), w13, w2),
+                              moe_reference(x, weights.half().float(), ids, w13, w2))
+
+
+def test_bfloat16():
+    x, weights, ids, w13, w2 = make_case(17, 16, 4, 64, 32, seed=2, dtype=torch.bfloat16)
+    out = fused_moe_cpu(x, weights, ids, w13, w2)
+    assert out.dtype == torch.bfloat16
+    # Against float32 math on the same (bfloat16) values; the only difference is output rounding.
+    ref = moe_reference(x.float(), weights, ids, w13.float(), w2.float())
+    assert_close_to_reference(out.float(), ref, tol=1e-2)
+    assert_close_to_reference(fused_moe_cpu_torch(x, weights, ids, w13, w2).float(), ref, tol=3e-2)
+
+
+def test_float16_uses_fallback():
+    x, weights, ids, w13, w2 = make_case(3, 7, 2, 16, 8, seed=4)
+    out = fused_moe_cpu(x.half(), weights, ids, w13.half(), w2.half())
+    assert out.dtype == torch.float16
+    assert_close_to_reference(out.float(), moe_reference(x, weights, ids, w13, w2), tol=2e-2)
+
+
+def test_no_tokens_and_bad_ids():
+    w13, w2 = torch.randn(4, 8, 16), torch.randn(4, 16, 4)
+    out = fused_moe_cpu(torch.randn(0, 16), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long), w13, w2)
+    assert out.shape == (0, 16)
+    if cpu_backend() == BACKEND_CPP:
+        with pytest.raises(RuntimeError, match="out of range"):
+            fused_moe_cpu(torch.randn(1, 16), torch.ones(1, 1), torch.tensor([[4]]), w13, w2)
+
+
+def test_thread_count_does_not_change_results():
+    x, weights, ids, w13, w2 = make_case(17, 16, 8, 64, 40, seed=9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused_moe_cpu(x, weights, ids, w13, w2)
+        torch.set_num_threads(max(2, threads))
+        many = fused_moe_cpu(x, weights, ids, w13, w2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
