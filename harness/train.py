@@ -29,11 +29,11 @@ SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 MODEL_CONFIG = dict(
-    hidden_size=256,
+    hidden_size=192,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=64,
+    head_dim=48,
     num_experts=16,
     num_experts_per_tok=2,
     moe_intermediate_size=128,
@@ -414,28 +414,35 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     warmup = min(100, steps // 10)
+    budget_s = minutes * 60
 
-    def lr_at(s):
+    def lr_at(progress, s):
+        # progress in [0, 1]: the larger of the step fraction and the wall-time fraction, so
+        # the cosine decay always completes within the time budget on a slow, shared machine
         if s < warmup:
             return lr * (s + 1) / warmup
-        f = (s - warmup) / max(1, steps - warmup)
+        f = min(1.0, max(0.0, (progress - warmup / steps) / (1 - warmup / steps)))
         return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * f)))
 
     rng = random.Random(seed)
     data = batches(tok, rng, batch_size, exclude, seed)
     aux_coef = cfg.router_aux_loss_coef
-    deadline = t0 + minutes * 60
     ema = None
     ntok = 0
     tstep = time.time()
+    t_train = time.time()
     step = 0
+    time_limited = False
     for step in range(steps):
-        if time.time() > deadline:
-            log(f"time budget of {minutes} min reached at step {step}; stopping early")
+        progress = max(step / steps, (time.time() - t_train) / budget_s)
+        if progress >= 1.0:
+            time_limited = True
+            log(f"time budget of {minutes} min reached at step {step}; stopping")
             break
+        cur_lr = lr_at(progress, step)
         ids, labels, valid = next(data)
         for gparam in opt.param_groups:
-            gparam["lr"] = lr_at(step)
+            gparam["lr"] = cur_lr
         logits, aux, counts = model(ids, valid)
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
         loss = ce + aux_coef * aux
@@ -450,7 +457,7 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
             mm = (load.max(1).values / load.mean(1)).max().item()
             dt = time.time() - tstep
             log(f"step {step} ce {ce.item():.4f} ema {ema:.4f} aux {aux.item()/cfg.num_hidden_layers:.3f} "
-                f"maxload/mean {mm:.2f} lr {lr_at(step):.2e} tok/s {ntok/dt:.0f} "
+                f"maxload/mean {mm:.2f} lr {cur_lr:.2e} tok/s {ntok/dt:.0f} "
                 f"elapsed {(time.time()-t0)/60:.1f}m")
             ntok, tstep = 0, time.time()
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
@@ -458,19 +465,97 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
             acc, _ = greedy_eval(to_hf(model), hf_tok, val)
             log(f"eval step {step+1} val greedy acc {acc:.3f} ({len(val)} items, bf16 weights) "
                 f"[{time.time()-te:.0f}s]")
-            tstep = time.time()
+            ntok, tstep = 0, time.time()
     train_s = time.time() - t0
-    log(f"training done: {step+1} steps in {train_s/60:.1f} min")
+    nsteps = step if time_limited else step + 1
+    log(f"training done: {nsteps} steps in {train_s/60:.1f} min")
 
     hf = to_hf(model)
     save_bundle(hf, hf_tok, out)
     log(f"saved to {out}")
-    result = {"steps": step + 1, "train_minutes": round(train_s / 60, 1), "seed": seed,
+    result = {"steps": nsteps, "time_limited": time_limited, "train_minutes": round(train_s / 60, 1), "seed": seed,
               "params": nparams}
     if final_eval:
-        result.update(evaluate_bundle(out, log=log))
-    (out / "train_result.json").write_text(json.dumps(result, indent=1))
+        result.update(evaluate_bundle(out, threads=threads, log=log))
+    result["command"] = (f"moebench train-bundled --minutes {minutes:g} --seed {seed} --steps {steps} "
+                         f"--batch-size {batch_size} --lr {lr:g} --eval-every {eval_every} --threads {threads}")
+    (out / "train_result.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_model_card(out, result)
     return result
+
+
+def write_model_card(out: Path, r: dict):
+    from moebench.suites import synth
+
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    size_mb = (Path(out) / "model.safetensors").stat().st_size / 1e6
+    acc = r.get("test_accuracy")
+    acc_s = (f"{100 * acc:.1f}% ({r['test_correct']}/{r['test_items']})" if acc is not None else "not measured")
+    loads = r.get("expert_load_max_over_mean", [])
+    mins = r.get("expert_load_min_over_mean", [])
+    E = cfg.get("num_experts", cfg.get("num_local_experts"))
+    text = f"""# gsm-synth-moe: the bundled default model
+
+A tiny mixture-of-experts model in the Hugging Face `qwen3_moe` format, trained from
+scratch by moebench to solve its synthetic GSM-style suite (`gsm-synth`). It is the default
+model of moebench's default job: small enough to run anywhere, yet a real MoE whose
+routing was learned, with answers that can be scored exactly.
+
+## Model
+
+- Architecture: `Qwen3MoeForCausalLM`, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']},
+  {cfg['num_attention_heads']} attention heads / {cfg['num_key_value_heads']} KV heads (head_dim {cfg['head_dim']}),
+  q/k RMSNorm, RoPE theta {cfg['rope_parameters']['rope_theta']:g}, every layer sparse:
+  {E} experts, top-{cfg['num_experts_per_tok']} softmax routing (norm_topk_prob={str(cfg['norm_topk_prob']).lower()}),
+  SwiGLU expert width {cfg['moe_intermediate_size']}, tied embeddings, vocabulary {cfg['vocab_size']}.
+- Parameters: {r['params'] / 1e6:.2f}M; weights stored in bfloat16 ({size_mb:.1f} MB `model.safetensors`).
+- Tensor names (as transformers 5.24 `save_pretrained` writes them): experts one by one,
+  `model.layers.L.mlp.experts.E.gate_proj.weight` [{cfg['moe_intermediate_size']}, {cfg['hidden_size']}],
+  `...up_proj.weight` [{cfg['moe_intermediate_size']}, {cfg['hidden_size']}],
+  `...down_proj.weight` [{cfg['hidden_size']}, {cfg['moe_intermediate_size']}]; router `model.layers.L.mlp.gate.weight`
+  [{E}, {cfg['hidden_size']}]. transformers fuses the experts into `mlp.experts.gate_up_proj` /
+  `mlp.experts.down_proj` when it loads them. No `lm_head.weight` (tied to `model.embed_tokens.weight`).
+- Tokenizer (`tokenizer.json`): byte-level BPE trained on the synthetic training corpus,
+  every digit a single token, special tokens `<|pad|>`=0, `<|bos|>`=1, `<|endoftext|>`=2 (EOS).
+  No BOS is added; decoding round-trips the text exactly.
+
+## Data
+
+`moebench.suites.synth`: seeded grade-school word problems in GSM8K's answer format, one
+quantity (objects, money, or an amount of stuff) changed by 1 to 5 steps drawn from
+{synth.TEMPLATE_COUNT} templates (24 names); each step is a line with a calculator annotation
+`<<a+b=c>>c`, and the solution ends with `#### N`. All four operations, division only when
+exact; every value below {synth.MAX_VALUE}; multiplication at most 2 digits x 1 digit; additions
+add at most a 2-digit number. Step counts are skewed to short problems (weights
+{list(synth.STEP_WEIGHTS)}), so answer lengths vary (P95/P50 of answer tokens >= 2).
+Split by a hash of the question text: the 1,000 test items (`gsm-synth/test/N`) are never
+seen in training.
+
+Training text is exactly the evaluation format: `Question: {{q}}\nAnswer: {{answer}}` + EOS;
+the loss covers the answer and EOS only.
+
+## Training
+
+`{r['command']}` (`harness/train.py`): plain-PyTorch forward with the same math as
+transformers' Qwen3MoE (experts run as one matmul per expert over tokens sorted by expert),
+AdamW (betas 0.9/0.95, weight decay 0.1), warmup then cosine decay, gradient clipping 1.0,
+Switch-style load-balancing loss (coefficient {cfg['router_aux_loss_coef']}), float32, one CPU thread,
+fresh problems every step. {r['steps']} steps, {r['train_minutes']} min wall time on a shared
+2-core CPU. Weights were rounded to bfloat16 for export; all accuracy figures below are
+after that rounding (computed in float32).
+
+## Evaluation (engine-free, through transformers)
+
+`python -c "from moebench.train import evaluate_bundle; evaluate_bundle()"`: greedy
+`generate` with left padding, zero-shot prompt `Question: {{q}}\nAnswer:`, stop at EOS,
+exact match on the number after `####`.
+
+- Greedy accuracy on the 1,000 held-out test items: **{acc_s}**.
+- Expert load on the test split (tokens routed per expert over all positions of
+  question+answer text; per layer): max/mean {loads}, min/mean {mins}.
+"""
+    (Path(out) / "README.md").write_text(text)
+
 
 
 def save_bundle(hf, hf_tok, out: Path):

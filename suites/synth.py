@@ -2,11 +2,12 @@
 
 Every problem is a short story about one quantity (objects, money, or an amount of some
 stuff) that changes over 1 to 5 reasoning steps.  Each step is one reasoning line with a
-GSM8K calculator annotation ``a+b=<<a+b=c>>c`` and the solution ends with ``#### N``.
+GSM8K calculator annotation ``<<a+b=c>>c`` and the solution ends with ``#### N``.
 
 The distribution is made for a tiny model that must do the arithmetic itself, digit by
-digit: every value stays below ``MAX_VALUE``; multiplication is at most two digits times
-one digit; division is by one digit and exact; additions add at most two digits.
+digit: every operand, intermediate and final value stays below ``MAX_VALUE`` (100), so
+every number has one or two digits; multiplication is at most two digits times one digit,
+division is by one digit and exact.
 
 The split is by a hash of the question text, so train and test never share a problem:
 test items come from the test bucket of one fixed seed stream, train items from the train
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 SUITE_ID = "gsm-synth"
-MAX_VALUE = 500          # every intermediate and final value is below this
+MAX_VALUE = 100          # every intermediate and final value is below this
 TEST_SEED = 1_000_003
 TRAIN_SEED = 7
 TEST_SIZE = 1000
@@ -134,14 +135,13 @@ class Problem:
 
 def _calc(x: int, op: str, b: int) -> tuple[str, int]:
     r = {"add": x + b, "sub": x - b, "mul": x * b, "div": x // b if b else 0}[op]
-    e = f"{x}{_OPS[op]}{b}"
-    return f"{e}=<<{e}={r}>>{r}", r
+    return f"<<{x}{_OPS[op]}{b}={r}>>{r}", r
 
 
 def _operand(rng: random.Random, x: int, op: str) -> int | None:
     """A second operand for `x op b` that keeps the problem learnable, or None."""
     if op == "add":
-        hi = min(99, MAX_VALUE - 1 - x)
+        hi = min(60, MAX_VALUE - 1 - x)
         return rng.randint(2, hi) if hi >= 2 else None
     if op == "sub":
         return rng.randint(1, x - 1) if x >= 3 else None
@@ -174,13 +174,15 @@ def generate_problem(rng: random.Random) -> Problem:
     lines: list[str] = []
     kind, qt, at = rng.choice(frame["start"])
     if kind == "plain":
-        x = rng.randint(5, 99)
+        x = rng.randint(5, MAX_VALUE - 1)
         qs.append(qt.format(a=x, **fields))
     else:
         if kind == "mul":
-            a, b = rng.randint(2, 20), rng.randint(2, 9)
+            b = rng.randint(2, 9)
+            a = rng.randint(2, (MAX_VALUE - 1) // b)
         else:
-            a, b = rng.randint(2, 99), rng.randint(2, 99)
+            a = rng.randint(2, MAX_VALUE - 10)
+            b = rng.randint(2, MAX_VALUE - 1 - a)
         calc, x = _calc(a, kind, b)
         qs.append(qt.format(a=a, b=b, **fields))
         lines.append(at.format(calc=calc, **fields))

@@ -15,14 +15,19 @@ pytestmark = pytest.mark.skipif(not (BUNDLED_DIR / "model.safetensors").exists()
 def test_checkpoint_files_and_format():
     cfg = json.loads((BUNDLED_DIR / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe"
-    assert cfg["num_experts"] >= 16 and cfg["num_experts_per_tok"] >= 2
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    assert num_experts >= 16 and cfg["num_experts_per_tok"] >= 2
     assert (BUNDLED_DIR / "tokenizer.json").exists() and (BUNDLED_DIR / "README.md").exists()
     size = (BUNDLED_DIR / "model.safetensors").stat().st_size
     assert size <= 25 * 1024 * 1024
     with safe_open(str(BUNDLED_DIR / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
         assert all(f.get_slice(k).get_dtype() == "BF16" for k in keys)
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in keys)
+    # transformers 5.24 writes experts per expert (model.layers.L.mlp.experts.E.gate_proj.weight ...)
+    # and fuses them into gate_up_proj / down_proj when loading
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert f"model.layers.0.mlp.experts.{num_experts - 1}.{name}.weight" in keys
+    assert "model.layers.0.mlp.gate.weight" in keys
 
 
 def test_loads_in_transformers_without_missing_keys():
