@@ -1,0 +1,247 @@
+"""Slow tiers behind a budgeted expert store: where an expert lives while it is not in the fast pool.
+
+A tier copies one expert into a fast-pool slot: `load(layer, expert, w13_dst, w2_dst) -> bytes read`.
+The destination slot is in the compute dtype; the tier keeps the checkpoint's own dtype (bfloat16
+for most checkpoints), so every load is an exact upcast, never a rounding.
+
+- `HostTier`: cold experts in host memory. On CUDA they sit in pinned memory so a copy on a side
+  stream overlaps compute; on CPU a load is a memory copy plus the upcast.
+- `DiskTier`: cold experts are read from the checkpoint's safetensors files, past the page cache
+  (O_DIRECT with aligned buffers; where the file system refuses O_DIRECT, `posix_fadvise(DONTNEED)`
+  before each buffered read). Byte offsets come from the safetensors header, so no tensor is ever
+  deserialized through a library that might cache it. `load` is thread-safe: several readers run
+  at once (the disk serves parallel requests faster than one).
+
+Nothing here sleeps or simulates: a load costs what the hardware costs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+from moebench.errors import MoebenchError
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical block size
+
+
+class ExpertTier:
+    name = "base"
+
+    def load(self, layer: int, expert: int, w13_dst: torch.Tensor, w2_dst: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def evidence(self) -> dict:
+        return {"tier": self.name}
+
+    def close(self) -> None:
+        pass
+
+
+def _moe_layers(ckpt) -> list[int]:
+    return [i for i in range(ckpt.config.num_layers) if ckpt.config.is_moe_layer(i)]
+
+
+# One host copy per checkpoint, shared by every store built on it: the harness builds a store per
+# generate() call, and re-packing gigabytes of experts each time would dominate short trials.
+_HOST_COPIES: dict[int, dict] = {}
+
+
+def _host_copy(ckpt, pin: bool) -> dict:
+    key = id(ckpt)
+    if key not in _HOST_COPIES:
+        dtype = ckpt.checkpoint_dtype
+        copy = {}
+        for i in _moe_layers(ckpt):
+            w = ckpt.layers[i]
+            # The checkpoint was loaded from `dtype`, so converting back is exact; on CPU with a
+            # float32 checkpoint `.to` returns the loaded tensor itself and costs no memory.
+            w13, w2 = w.w13.to("cpu", dtype), w.w2.to("cpu", dtype)
+            if pin:
+                w13, w2 = w13.pin_memory(), w2.pin_memory()
+            copy[i] = (w13, w2)
+        _HOST_COPIES[key] = copy
+        weakref.finalize(ckpt, _HOST_COPIES.pop, key, None)
+    return _HOST_COPIES[key]
+
+
+class HostTier(ExpertTier):
+    name = "host"
+
+    def __init__(self, ckpt, device: str):
+        self.cuda = device == "cuda"
+        self.experts = _host_copy(ckpt, pin=self.cuda)
+        w13, w2 = next(iter(self.experts.values()))
+        self.expert_bytes = w13[0].nbytes + w2[0].nbytes
+
+    def load(self, layer, expert, w13_dst, w2_dst):
+        w13, w2 = self.experts[layer]
+        # non_blocking only matters on CUDA (pinned source -> async DMA on the caller's stream).
+        w13_dst.copy_(w13[expert], non_blocking=self.cuda)
+        w2_dst.copy_(w2[expert], non_blocking=self.cuda)
+        return self.expert_bytes
+
+    def evidence(self):
+        return {"tier": self.name, "tier_dtype": str(next(iter(self.experts.values()))[0].dtype).replace("torch.", ""),
+                "pinned": self.cuda}
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(byte offset where tensor data starts, header dict) of one safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise MoebenchError(f"{path}: truncated safetensors file (no header length)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MoebenchError(f"{path}: malformed safetensors header ({e})") from None
+    return 8 + n, header
+
+
+class _Extent:
+    """Where one expert's gate, up and down tensors lie in a file: one read when they are adjacent."""
+
+    __slots__ = ("file", "start", "end", "parts")
+
+    def __init__(self, file: str, parts: list[tuple[int, int, torch.dtype, tuple[int, ...]]]):
+        self.file = file
+        self.parts = parts  # (absolute offset, nbytes, dtype, shape) for gate, up, down
+        self.start = min(p[0] for p in parts)
+        self.end = max(p[0] + p[1] for p in parts)
+
+
+class DiskTier(ExpertTier):
+    name = "disk"
+
+    def __init__(self, ckpt, readers: int = 4, direct: bool = True):
+        if not ckpt.expert_sources:
+            raise MoebenchError(
+                f"{ckpt.path}: --offload-tier disk needs one tensor per expert in the safetensors files "
+                "(this checkpoint stores experts fused); use --offload-tier host"
+            )
+        self.readers = readers
+        self.cfg = ckpt.config
+        headers: dict[str, tuple[int, dict]] = {}
+        self.extents: dict[tuple[int, int], list[_Extent]] = {}
+        for (layer, expert), sources in ckpt.expert_sources.items():
+            by_file: dict[str, list] = {}
+            for f, name in sources:
+                f = str(f)
+                if f not in headers:
+                    headers[f] = read_safetensors_header(Path(f))
+                base, header = headers[f]
+                meta = header.get(name)
+                if meta is None or meta.get("dtype") not in _DTYPES:
+                    raise MoebenchError(f"{f}: tensor '{name}' missing or of an unsupported dtype for the disk tier")
+                lo, hi = meta["data_offsets"]
+                by_file.setdefault(f, []).append((base + lo, hi - lo, _DTYPES[meta["dtype"]], tuple(meta["shape"])))
+            extents = []
+            for f, parts in by_file.items():
+                span = max(p[0] + p[1] for p in parts) - min(p[0] for p in parts)
+                if span <= 2 * sum(p[1] for p in parts):  # adjacent (the usual layout): one request
+                    extents.append(_Extent(f, parts))
+                else:
+                    extents.extend(_Extent(f, [p]) for p in parts)
+            self.extents[(layer, expert)] = extents
+        self.expert_bytes = sum(p[1] for ext in next(iter(self.extents.values())) for p in ext.parts)
+        self.mode = "o_direct" if direct and self._direct_works(next(iter(headers))) else "fadvise"
+        flags = os.O_RDONLY | (os.O_DIRECT if self.mode == "o_direct" else 0)
+        self.fds = {f: os.open(f, flags) for f in headers}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.bytes_read = 0
+
+    @staticmethod
+    def _direct_works(f: str) -> bool:
+        """Some file systems (tmpfs, some overlays) refuse O_DIRECT at open or at the first read."""
+        if not hasattr(os, "O_DIRECT"):
+            return False
+        probe = mmap.mmap(-1, _ALIGN)
+        try:
+            fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+            try:
+                os.preadv(fd, [probe], 0)
+            finally:
+                os.close(fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
+    def _buffer(self, size: int) -> mmap.mmap:
+        """This thread's read buffer: anonymous mmap is page-aligned, as O_DIRECT requires."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                buf.close()
+            buf = mmap.mmap(-1, -(-size // _ALIGN) * _ALIGN)
+            self._local.buf = buf
+        return buf
+
+    def _read(self, ext: _Extent) -> tuple[mmap.mmap, int]:
+        """Read one extent; returns (buffer, offset of ext.start in it)."""
+        fd = self.fds[ext.file]
+        if self.mode == "o_direct":
+            start = ext.start // _ALIGN * _ALIGN
+            length = -(-(ext.end - start) // _ALIGN) * _ALIGN
+        else:
+            start, length = ext.start, ext.end - ext.start
+            # Drop any cached copy first, so this read comes from the device, not from memory.
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+        buf = self._buffer(length)
+        view = memoryview(buf)[:length]
+        got = os.preadv(fd, [view], start)
+        view.release()
+        if got < ext.end - start:
+            raise MoebenchError(f"{ext.file}: short read at byte {start} (file truncated?)")
+        if self.mode == "fadvise":
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.requests += 1
+            self.bytes_read += length
+        return buf, ext.start - start
+
+    def load(self, layer, expert, w13_dst, w2_dst):
+        inter = self.cfg.moe_intermediate_size
+        dsts = (w13_dst[:inter], w13_dst[inter:], w2_dst)  # gate, up, down
+        k = 0
+        for ext in self.extents[(layer, expert)]:
+            buf, base = self._read(ext)
+            for off, nbytes, dtype, shape in ext.parts:
+                src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=base + off - ext.start)
+                # Synchronous copy: the buffer is reused by this thread's next read.
+                dsts[k].copy_(src.view(dtype).view(shape))
+                k += 1
+        return self.expert_bytes
+
+    def evidence(self):
+        return {"tier": self.name, "read_mode": self.mode, "readers": self.readers,
+                "disk_requests": self.requests, "disk_bytes_read": self.bytes_read}
+
+    def close(self):
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+
+
+def make_tier(name: str, ckpt, device: str, readers: int = 4) -> ExpertTier:
+    if name == "host":
+        return HostTier(ckpt, device)
+    if name == "disk":
+        return DiskTier(ckpt, readers)
+    raise MoebenchError(f"unknown --offload-tier '{name}' (choose host or disk)")

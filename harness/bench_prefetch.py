@@ -1,0 +1,173 @@
+"""How much of the expert-offload penalty prefetch=lookahead hides.
+
+    python -m moebench.bench_prefetch [--model DIR] [--budget 0.5] [--batch 1] [--repeats 3]
+
+Measures decode time per token, at one batch size and on the same prompts, for:
+  resident              every expert in the fast pool (budget 1.0)            -> T_resident
+  <tier>/off            budget < 1, misses loaded on demand, one at a time    -> T_off
+  <tier>/lookahead      budget < 1, next layer's experts predicted and loaded
+                        in the background                                      -> T_lookahead
+for the host and disk tiers, trials interleaved (resident, host/off, host/lookahead, disk/off,
+disk/lookahead, then again) so drift on a shared machine hits each alike. The hidden share is
+    (T_off - T_lookahead) / (T_off - T_resident)
+per tier, computed within each repeat (paired) and reported as the median over repeats. Every
+offloaded run must produce exactly the resident run's tokens; a mismatch is an error.
+
+Default model: the bundled gsm-synth MoE if present, else a random qwen3_moe (hidden 512, 8 layers,
+64 experts top-8, expert width 512, initializer range 0.15, bfloat16) written once with transformers into --workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RANDOM_MODEL = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+                    moe_intermediate_size=512, intermediate_size=1024, norm_topk_prob=True,
+                    max_position_embeddings=2048, tie_word_embeddings=False,
+                    # At transformers' default 0.02 a random model repeats one token forever, so every
+                    # decode step routes to the same experts and there is no offload penalty to hide;
+                    # at 0.15 it emits varied tokens and routing changes from token to token.
+                    initializer_range=0.15)
+
+
+def random_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A random bfloat16 qwen3_moe saved by transformers itself (the files the engine loads in the field)."""
+    if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
+        return directory
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(eos_token_id=None, pad_token_id=None, bos_token_id=None, **RANDOM_MODEL)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def _configs(budget, tiers):
+    yield "resident", dict(expert_budget=1.0, prefetch="off")
+    for tier in tiers:
+        for prefetch in ("off", "lookahead"):
+            yield f"{tier}/{prefetch}", dict(expert_budget=budget, offload_tier=tier, prefetch=prefetch)
+
+
+def _run(engine_cls, ckpt, prompts, runtime):
+    from moebench.engine import Request
+
+    result = engine_cls(ckpt, None, runtime).generate([Request(f"b{i}", "") for i in range(len(prompts))],
+                                                      prompt_ids=prompts)
+    decode = [s for s in result.steps if s["phase"] == "decode"]
+    tokens = sum(s["decode_tokens"] for s in decode)
+    seconds = sum(s["duration_s"] for s in decode)
+    return [c.output_ids for c in result.completions], seconds / tokens, result
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def main(argv=None) -> int:
+    from dataclasses import replace
+
+    from moebench.engine import Engine, RuntimeConfig, load_checkpoint
+    from moebench.errors import MoebenchError
+    from moebench.run import bundled_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "moebench" / "bench-qwen3moe-h512-l8-e64k8-init0.15")
+    ap.add_argument("--budget", default="0.5")
+    ap.add_argument("--tiers", default="host,disk")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kernel", default="naive")
+    ap.add_argument("--readers", type=int, default=4, help="parallel readers of the disk tier (lookahead)")
+    ap.add_argument("--lookahead-extra", type=int, default=0, help="experts predicted per token beyond top-k")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1 leaves a core to the loader threads; 2 OpenMP threads on a "
+                         "busy 2-core machine stall on each other)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    try:
+        path = args.model or (bundled_model_path() if bundled_model_path().exists() else random_checkpoint(args.workdir))
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(path)
+        print(f"model {path} ({ckpt.config.num_layers} layers, {ckpt.config.num_experts} experts top-"
+              f"{ckpt.config.top_k}, {ckpt.checkpoint_dtype}) loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, ckpt.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+                   for _ in range(args.batch)]
+        base = RuntimeConfig(kernel=args.kernel, batch_size=args.batch, max_new_tokens=args.new_tokens,
+                             extra={"readers": args.readers, "lookahead_extra": args.lookahead_extra})
+        tiers = [t for t in args.tiers.split(",") if t]
+        configs = [(name, replace(base, **kw)) for name, kw in _configs(args.budget, tiers)]
+
+        for name, rt in configs:  # warm-up: caches, lazy inits, the disk tier's first opens
+            _run(Engine, ckpt, prompts, replace(rt, max_new_tokens=2))
+        times = {name: [] for name, _ in configs}
+        evidence = {}
+        reference = None
+        for rep in range(args.repeats):
+            for name, rt in configs:
+                out, per_token, result = _run(Engine, ckpt, prompts, rt)
+                if reference is None:
+                    reference = out
+                if out != reference:
+                    raise MoebenchError(f"{name}: output differs from the resident store's (offloading must be exact)")
+                if result.activation_errors:
+                    raise MoebenchError(f"{name}: {'; '.join(result.activation_errors)}")
+                times[name].append(per_token)
+                evidence[name] = result.evidence["prefetch"]
+                print(f"  repeat {rep} {name:16s} {per_token * 1e3:8.2f} ms/token", flush=True)
+    except MoebenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    report = {"model": str(path), "budget": args.budget, "batch": args.batch, "new_tokens": args.new_tokens,
+              "threads": args.threads, "kernel": args.kernel, "configs": {}, "hidden_share": {}}
+    print(f"\nbudget {args.budget}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} repeats, "
+          f"median decode time per token:")
+    print(f"{'config':16s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
+          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'stall s':>7s}")
+    for name, _ in configs:
+        t = statistics.median(times[name])
+        ev = evidence[name]
+        row = {"ms_per_token": t * 1e3, "tokens_per_s": 1 / t,
+               "ms_per_token_trials": [x * 1e3 for x in times[name]],
+               **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
+                                         "prediction_precision", "prediction_recall", "stall_s", "read_mode")}}
+        report["configs"][name] = row
+        print(f"{name:16s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
+              f"{_fmt(ev.get('prefetch_hits'), '4d')}/{_fmt(ev.get('prefetch_issued'), '<4d')} "
+              f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
+              f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('stall_s'), '7.3f')}")
+    for tier in tiers:
+        shares = []
+        for res, off, la in zip(times["resident"], times[f"{tier}/off"], times[f"{tier}/lookahead"]):
+            shares.append((off - la) / (off - res) if off > res else float("nan"))
+        share = statistics.median(shares)
+        report["hidden_share"][tier] = {"median": share, "trials": shares}
+        speed = statistics.median(times[f"{tier}/off"]) / statistics.median(times[f"{tier}/lookahead"])
+        print(f"{tier}: lookahead hides {share:.1%} of the offload penalty "
+              f"(per repeat: {', '.join(f'{s:.1%}' for s in shares)}); decode {speed:.2f}x vs off")
+    if args.json:
+        from moebench.fileio import atomic_write_json
+
+        atomic_write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

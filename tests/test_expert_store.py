@@ -1,0 +1,203 @@
+"""The budgeted expert store: offloading is exact, eviction never drops an expert in use, the
+metrics add up, and bad budgets are refused with a clear message."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+from moebench.engine.expert_store import (
+    STEP_KEYS, PooledStore, ResidentStore, make_store_and_prefetcher, slots_for_budget,
+)
+from moebench.engine.offload import DiskTier, HostTier
+from moebench.errors import MoebenchError
+from tiny_models import make_tiny_checkpoint
+
+E, K, LAYERS = 16, 2, 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two OpenMP threads on a busy two-core machine wait on each other at every barrier (tens of
+    times slower on these tiny shapes); one thread keeps the test fast and changes no result."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A bfloat16 checkpoint (as most are shipped) run in float32: loads from either tier upcast."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen3_e6_k2_norm", dtype=torch.bfloat16,
+                                num_experts=E, num_hidden_layers=LAYERS)
+    return load_checkpoint(path)
+
+
+def prompts(vocab, lengths=(5, 11, 17), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def generate(ckpt, **runtime):
+    ids = prompts(ckpt.config.vocab_size)
+    rt = RuntimeConfig(batch_size=len(ids), max_new_tokens=20, **runtime)
+    return Engine(ckpt, None, rt).generate([Request(f"r{i}", "") for i in range(len(ids))], prompt_ids=ids)
+
+
+@pytest.fixture(scope="module")
+def resident(ckpt):
+    return [c.output_ids for c in generate(ckpt).completions]
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.5])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("prefetch", ["off", "lookahead"])
+def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, prefetch):
+    result = generate(ckpt, expert_budget=budget, offload_tier=tier, prefetch=prefetch)
+    assert [c.output_ids for c in result.completions] == resident
+    assert result.activation_errors == []
+    ev = result.evidence["prefetch"]
+    assert ev["store"] == "pooled" and ev["slots_per_layer"] == int(budget * E)
+    assert ev["expert_misses"] > 0  # the budget really bit
+    if prefetch == "lookahead":
+        assert ev["prefetch_hits"] > 0 and ev["prefetch_issued"] >= ev["prefetch_hits"]
+    else:
+        assert ev["prefetch_issued"] == 0
+    if tier == "disk":
+        assert ev["read_mode"] in ("o_direct", "fadvise") and ev["disk_requests"] > 0
+
+
+def test_step_metrics_sum_up(ckpt):
+    result = generate(ckpt, expert_budget=0.5, prefetch="lookahead")
+    ev = result.evidence["prefetch"]
+    for s in result.steps:
+        assert set(STEP_KEYS) <= set(s)
+        # one look-up per distinct expert per MoE layer call
+        assert s["expert_hits"] + s["expert_misses"] == round(s["distinct_experts"] * LAYERS)
+        assert s["prefetch_hits"] <= s["prefetch_issued"] or s["prefetch_issued"] == 0
+        assert s["stall_s"] >= 0 and s["bytes_loaded"] >= 0
+    for key in ("expert_hits", "expert_misses", "prefetch_issued", "prefetch_hits", "bytes_loaded"):
+        assert sum(s[key] for s in result.steps) == ev[key]
+    assert ev["lookups"] == ev["expert_hits"] + ev["expert_misses"]
+    assert ev["hit_rate"] == pytest.approx(ev["expert_hits"] / ev["lookups"])
+    assert ev["prefetch_precision"] == pytest.approx(ev["prefetch_hits"] / ev["prefetch_issued"])
+    assert sum(s["stall_s"] for s in result.steps) == pytest.approx(ev["stall_s"])
+
+
+def test_resident_store_reports_hits_only(ckpt):
+    result = generate(ckpt)
+    ev = result.evidence["prefetch"]
+    assert ev["store"] == "resident" and ev["expert_misses"] == 0 and ev["hit_rate"] == 1.0
+    assert all(s["expert_misses"] == 0 and s["bytes_loaded"] == 0 for s in result.steps)
+
+
+def test_budget_one_with_lookahead_is_idle_not_an_error(ckpt, resident):
+    result = generate(ckpt, expert_budget=1.0, prefetch="lookahead")
+    assert [c.output_ids for c in result.completions] == resident
+    assert result.activation_errors == []
+    assert "nothing to prefetch" in result.evidence["prefetch"]["lookahead"]
+
+
+class CountingTier(HostTier):
+    def __init__(self, ckpt):
+        super().__init__(ckpt, "cpu")
+        self.loads = []
+
+    def load(self, layer, expert, w13_dst, w2_dst):
+        self.loads.append((layer, expert))
+        return super().load(layer, expert, w13_dst, w2_dst)
+
+
+def pooled(ckpt, slots, workers=0, tier=None):
+    rt = RuntimeConfig(expert_budget=slots / E)
+    return PooledStore(ckpt, rt, tier or CountingTier(ckpt), slots, workers)
+
+
+def assert_serves(ckpt, store, layer, ids):
+    w13, w2, slot_ids = store.fetch(layer, ids)
+    ref = ckpt.layers[layer]
+    assert torch.equal(w13[slot_ids], ref.w13[ids]) and torch.equal(w2[slot_ids], ref.w2[ids])
+
+
+def test_lru_evicts_least_recently_used_and_never_one_in_use(ckpt):
+    store = pooled(ckpt, slots=4)  # starts holding experts 0..3
+    pool = store.pools[0]
+    assert_serves(ckpt, store, 0, torch.tensor([[1, 0]]))  # least recent first: 2, 3, 0, 1
+    assert_serves(ckpt, store, 0, torch.tensor([[5, 2]]))  # 5 evicts 3 (2 is in use, 3 is the oldest)
+    assert set(pool.slot_of) == {0, 1, 2, 5}
+    # a call needing four experts, two of them missing: both victims must come from outside the call
+    assert_serves(ckpt, store, 0, torch.tensor([[7, 0], [6, 5]]))
+    assert set(pool.slot_of) == {0, 5, 6, 7}
+    assert store.tier.loads == [(0, 5), (0, 6), (0, 7)]
+    step = store.take_step()
+    assert (step["expert_hits"], step["expert_misses"]) == (2 + 1 + 2, 3)
+    assert step["bytes_loaded"] == 3 * store.tier.expert_bytes
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_random_calls_always_served_exactly(ckpt, workers):
+    """Property test: whatever the history and however wrong the predictions, every call gets the
+    right weights for every id, including loads still in flight from the prefetch workers."""
+    g = torch.Generator().manual_seed(3)
+    store = pooled(ckpt, slots=5, workers=workers)
+    for _ in range(150):
+        layer = int(torch.randint(0, LAYERS, (1,), generator=g))
+        tokens = int(torch.randint(1, 4, (1,), generator=g))
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+        if workers:
+            store.plan_prefetch((layer + 1) % LAYERS, torch.randperm(E, generator=g)[:4].tolist())
+        assert_serves(ckpt, store, layer, ids)
+    ev = store.evidence()
+    assert ev["expert_hits"] + ev["expert_misses"] == ev["lookups"]
+    store.close()
+
+
+def test_calls_needing_more_experts_than_slots_use_scratch(ckpt):
+    store = pooled(ckpt, slots=3)
+    ids = torch.arange(12).view(6, 2)  # 12 distinct experts, 3 slots
+    assert_serves(ckpt, store, 1, ids)
+    assert store.evidence()["overflow_calls"] == 1
+    assert set(store.pools[1].slot_of) == {0, 1, 2}  # the pool itself is untouched
+    assert_serves(ckpt, store, 1, torch.tensor([[2, 9]]))
+
+
+def test_disk_tier_reads_exactly_what_the_checkpoint_holds(ckpt):
+    for direct in (True, False):
+        tier = DiskTier(ckpt, readers=2, direct=direct)
+        w13 = torch.empty_like(ckpt.layers[0].w13[0])
+        w2 = torch.empty_like(ckpt.layers[0].w2[0])
+        for layer in range(LAYERS):
+            for e in (0, 7, E - 1):
+                assert tier.load(layer, e, w13, w2) == tier.expert_bytes
+                assert torch.equal(w13, ckpt.layers[layer].w13[e]) and torch.equal(w2, ckpt.layers[layer].w2[e])
+        assert tier.evidence()["disk_requests"] == 3 * LAYERS  # one read per expert: its tensors are adjacent
+        tier.close()
+
+
+def test_bad_budgets_refused(ckpt):
+    cfg = ckpt.config
+    with pytest.raises(MoebenchError, match=r"leaves 1 expert slots per MoE layer.*top_k=2"):
+        slots_for_budget(cfg, RuntimeConfig(expert_budget=0.1))
+    with pytest.raises(MoebenchError, match="larger than this machine"):
+        slots_for_budget(cfg, RuntimeConfig(expert_budget="1000000GB"))
+    with pytest.raises(MoebenchError, match="a fraction must be in"):
+        slots_for_budget(cfg, RuntimeConfig(expert_budget=1.5))
+    with pytest.raises(MoebenchError, match="a fraction must be in"):
+        slots_for_budget(cfg, RuntimeConfig(expert_budget=0))
+    with pytest.raises(MoebenchError, match="expected a fraction"):
+        slots_for_budget(cfg, RuntimeConfig(expert_budget="lots"))
+    with pytest.raises(MoebenchError, match="unknown --offload-tier"):
+        make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="tape"))
+    expert = cfg.expert_param_count * 4
+    assert slots_for_budget(cfg, RuntimeConfig(expert_budget=f"{5 * LAYERS * expert / 2**20}MiB")) == 5
+    assert slots_for_budget(cfg, RuntimeConfig(expert_budget="8GB")) == E
+    assert slots_for_budget(cfg, RuntimeConfig(expert_budget="0.5")) == E // 2
+    store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget="8GB"))
+    assert isinstance(store, ResidentStore)
+
+
+def test_engine_refuses_too_small_budget_before_running(ckpt):
+    with pytest.raises(MoebenchError, match="use at least 0.125"):
+        generate(ckpt, expert_budget=0.1, prefetch="lookahead")

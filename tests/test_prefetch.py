@@ -1,0 +1,130 @@
+"""prefetch=lookahead: the prediction uses the next layer's router, precision and recall are counted
+right, wrong predictions cost nothing once cancelled, and an inactive prefetcher is an error."""
+
+import threading
+
+import pytest
+import torch
+
+from moebench.engine import RuntimeConfig, load_checkpoint
+from moebench.engine.expert_store import PooledStore
+from moebench.engine.offload import HostTier
+from moebench.engine.prefetch import LookaheadPrefetcher
+from tiny_models import make_tiny_checkpoint
+
+E, K, LAYERS = 16, 2, 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two OpenMP threads on a busy two-core machine wait on each other at every barrier (tens of
+    times slower on these tiny shapes); one thread keeps the test fast and changes no result."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen3_e6_k2_norm", dtype=torch.bfloat16,
+                                num_experts=E, num_hidden_layers=LAYERS)
+    return load_checkpoint(path)
+
+
+class GatedTier(HostTier):
+    """Loads of the experts in `gated` wait until the test opens the gate."""
+
+    def __init__(self, ckpt, gated=()):
+        super().__init__(ckpt, "cpu")
+        self.gated, self.gate, self.started, self.loads = set(gated), threading.Event(), threading.Event(), []
+
+    def load(self, layer, expert, w13_dst, w2_dst):
+        if expert in self.gated:
+            self.started.set()
+            assert self.gate.wait(10)
+        self.loads.append((layer, expert))
+        return super().load(layer, expert, w13_dst, w2_dst)
+
+
+def store_for(ckpt, slots=4, workers=1, tier=None):
+    return PooledStore(ckpt, RuntimeConfig(expert_budget=slots / E), tier or GatedTier(ckpt), slots, workers)
+
+
+def test_precision_recall_and_prefetch_hits(ckpt):
+    store = store_for(ckpt)  # holds experts 0..3 in every layer
+    # Layer 1 predicted {2, 8, 9}: 8 and 9 are loaded ahead, 2 is already resident.
+    store.plan_prefetch(1, [8, 9, 2])
+    store.fetch(0, torch.tensor([[0, 1]]))  # the plan is issued at the end of this call
+    step = store.take_step()
+    assert step["prefetch_issued"] == 2
+    store.fetch(1, torch.tensor([[8, 2], [5, 2]]))  # needed {2, 5, 8}
+    # Layer 2 predicted {10, 11}, needed {10, 12, 13, 14}.
+    store.plan_prefetch(2, [10, 11])
+    store.fetch(1, torch.tensor([[8, 2]]))
+    store.fetch(2, torch.tensor([[10, 12], [13, 14]]))
+    ev = store.evidence()
+    # |P & A| / |P| and / |A|, summed over the predicted calls: (2 + 1) / (3 + 2), (2 + 1) / (3 + 4)
+    assert ev["prediction_precision"] == pytest.approx(3 / 5)
+    assert ev["prediction_recall"] == pytest.approx(3 / 7)
+    # loaded ahead: 8, 9 (layer 1), 10, 11 (layer 2); used by their call: 8 and 10
+    assert (ev["prefetch_issued"], ev["prefetch_hits"]) == (4, 2)
+    assert ev["prefetch_precision"] == pytest.approx(2 / 4)
+    assert ev["lookups"] == ev["expert_hits"] + ev["expert_misses"] == 2 + 3 + 2 + 4
+    store.close()
+
+
+def test_wrong_prediction_not_started_is_cancelled_and_costs_nothing(ckpt):
+    tier = GatedTier(ckpt, gated={8})
+    store = store_for(ckpt, workers=1, tier=tier)
+    store.plan_prefetch(1, [8, 9])  # 8 blocks the only worker, so 9 waits in the queue
+    store.fetch(0, torch.tensor([[0, 1]]))
+    assert tier.started.wait(10)
+    w13, w2, ids = store.fetch(1, torch.tensor([[5, 6]]))  # neither predicted expert is needed
+    assert torch.equal(w13[ids], ckpt.layers[1].w13[torch.tensor([[5, 6]])])
+    ev = store.evidence()
+    assert ev["prefetch_cancelled"] == 1 and 9 not in store.pools[1].slot_of
+    assert (1, 9) not in tier.loads
+    tier.gate.set()
+    store.close()
+    assert ev["bytes_loaded"] == (1 + 2) * tier.expert_bytes  # 8 (in flight) and the two misses; not 9
+
+
+def test_needed_expert_still_loading_is_waited_for(ckpt):
+    tier = GatedTier(ckpt, gated={8})
+    store = store_for(ckpt, workers=1, tier=tier)
+    store.plan_prefetch(1, [8])
+    store.fetch(0, torch.tensor([[0, 1]]))
+    threading.Timer(0.05, tier.gate.set).start()
+    w13, _, ids = store.fetch(1, torch.tensor([[8, 0]]))
+    assert torch.equal(w13[ids], ckpt.layers[1].w13[torch.tensor([[8, 0]])])
+    ev = store.evidence()
+    assert ev["late_hits"] == 1 and ev["prefetch_hits"] == 1 and ev["stall_s"] >= 0.02
+    store.close()
+
+
+def test_predictor_uses_the_next_layers_router(ckpt):
+    store = store_for(ckpt)
+    pf = LookaheadPrefetcher(ckpt, store)
+    x = torch.randn(3, ckpt.config.hidden_size)
+    pf.before_layer(0, x, torch.zeros(3, K, dtype=torch.long))
+    layer, planned = store.pending
+    expected = torch.topk(x @ ckpt.layers[1].router.T, K, dim=-1).indices
+    assert layer == 1 and set(planned) == set(expected.flatten().tolist())
+    votes = torch.bincount(expected.flatten(), minlength=E)
+    assert votes[planned[0]] == votes.max()  # the most wanted first
+    pf.before_layer(LAYERS - 1, x, None)  # the last MoE layer has no next layer to plan for
+    assert store.pending == (layer, planned)
+    store.close()
+
+
+def test_no_prefetch_hits_is_an_activation_error(ckpt):
+    store = store_for(ckpt)
+    pf = LookaheadPrefetcher(ckpt, store)
+    errors = pf.activation_errors(store)
+    assert len(errors) == 1 and "none was used" in errors[0]
+    store.plan_prefetch(1, [8])
+    store.fetch(0, torch.tensor([[0, 1]]))
+    store.fetch(1, torch.tensor([[8, 1]]))
+    assert pf.activation_errors(store) == []
+    store.close()
