@@ -23,11 +23,19 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.allocations = 0
         self.reuses = 0
+        self.peak_used = 0
         self._ever_used: set[int] = set()
+        # Blocks handed out and not yet returned: freeing one twice would let two sequences write
+        # the same slots, which corrupts outputs silently, so it is an error instead.
+        self._in_use: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -35,10 +43,18 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_blocks)
 
+    def missing_blocks(self, block_table: list[int], num_tokens: int) -> int:
+        """Blocks `block_table` lacks to hold `num_tokens` tokens (0 when it already does)."""
+        return max(0, self.blocks_needed(num_tokens) - len(block_table))
+
+    def can_fit(self, block_table: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        """Whether `block_table` can grow to `num_tokens` tokens and still leave `reserve` blocks free."""
+        return self.missing_blocks(block_table, num_tokens) + reserve <= len(self.free_blocks)
+
     def ensure_capacity(self, block_table: list[int], num_tokens: int) -> None:
         """Grow `block_table` in place to hold `num_tokens` tokens, or raise OutOfBlocks untouched."""
-        missing = self.blocks_needed(num_tokens) - len(block_table)
-        if missing <= 0:
+        missing = self.missing_blocks(block_table, num_tokens)
+        if missing == 0:
             return
         if missing > len(self.free_blocks):
             raise OutOfBlocks(f"need {missing} blocks, {len(self.free_blocks)} free")
@@ -48,9 +64,15 @@ class BlockManager:
             if block in self._ever_used:
                 self.reuses += 1
             self._ever_used.add(block)
+            self._in_use.add(block)
             block_table.append(block)
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def free(self, block_table: list[int]) -> None:
+        stale = [b for b in block_table if b not in self._in_use]
+        if stale:
+            raise ValueError(f"KV blocks {stale} freed but not in use (double free)")
+        self._in_use.difference_update(block_table)
         self.free_blocks.extend(block_table)
         block_table.clear()
 

@@ -11,6 +11,9 @@ class RoutingStats:
         self._distinct: list[int] = []
         self._imbalance: list[float] = []
         self.step_experts: dict[int, torch.Tensor] = {}  # layer -> distinct expert ids of this step
+        # layer -> [tokens, top_k] expert ids of the latest forward, in batch token order. Not cleared
+        # by take_step: the scheduler reads it when planning the next step (affinity admission).
+        self.last_topk: dict[int, torch.Tensor] = {}
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         counts = torch.bincount(topk_ids.flatten().cpu(), minlength=self.load.shape[1])
@@ -19,6 +22,7 @@ class RoutingStats:
         self._distinct.append(int(active.numel()))
         self._imbalance.append(float(active.max()) / float(active.float().mean()))
         self.step_experts[layer] = torch.nonzero(counts).flatten()
+        self.last_topk[layer] = topk_ids
 
     def take_step(self) -> dict:
         """Step summary, then reset the per-step accumulators."""

@@ -3,6 +3,16 @@
 `static`: take up to batch-size waiting requests, run that batch until its longest request ends,
 then take the next batch. Finished requests leave the computation (the baseline is not padded
 with dead rows), but their slots stay empty until the whole batch is done.
+
+`continuous`: iteration-level batching. Every step, finished requests have left and their slots
+and KV blocks are free; if waiting requests can be admitted (a free slot, the step's token budget,
+KV blocks for the prompt), the step is a prefill of just those, otherwise it is a decode step of
+every running request. Keeping prefill and decode in separate steps keeps decode steps pure, so
+decode tokens/s measures decoding only. Which waiting requests go first is the admission policy's
+choice (`moebench.engine.admission`: fifo, or affinity by experts). When a running request cannot
+grow its KV by a block, the most recently admitted one is preempted: its blocks are freed and it
+goes back to the front of the queue, to be recomputed from its prompt and the tokens it already
+produced (greedy decoding makes the recomputation reproduce the same state).
 """
 
 from __future__ import annotations
@@ -10,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from moebench.engine.kv_cache import BlockManager
+from moebench.engine.kv_cache import BlockManager, OutOfBlocks
 from moebench.engine.sequence import Sequence, Status
 
 
@@ -73,11 +83,166 @@ class StaticScheduler(Scheduler):
         return {"batches": self.batches}
 
 
+class ContinuousScheduler(Scheduler):
+    name = "continuous"
+
+    def __init__(self, batch_size: int, block_manager: BlockManager, max_tokens_per_step: int, admission=None):
+        super().__init__(batch_size, block_manager, max_tokens_per_step)
+        from moebench.engine.admission import FifoAdmission
+
+        self.admission = admission or FifoAdmission()
+        self.lookahead = self.admission.lookahead(batch_size)
+        # Prefilled (first token out, KV in the cache) and waiting for a decode slot, arrival order.
+        self.prefilled: list[Sequence] = []
+        self.admissions = 0  # waiting -> prefill, first time
+        self.admissions_mid_flight = 0  # prefilled -> a decode batch that was already running
+        self.readmissions = 0  # prefill again after a preemption
+        self.preemptions = 0
+        self.prefill_steps = 0
+        self._rank: dict[int, int] = {}  # id(seq) -> arrival rank
+        self._preempted: set[int] = set()
+        self._decoding = False  # the running batch has had a decode step (joining it is mid-flight)
+        self._stats = None
+        self._last_batch: list[Sequence] = []
+        self._last_lens: list[int] = []
+
+    def attach(self, stats) -> None:
+        """The engine hands over its RoutingStats; the admission policy learns from each step's routing."""
+        self._stats = stats
+        self.admission.attach(*stats.load.shape)
+
+    def add(self, seq: Sequence) -> None:
+        self._rank[id(seq)] = len(self._rank)
+        super().add(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(not s.finished for s in self.prefilled + self.running)
+
+    def schedule(self) -> list[Sequence]:
+        self.running = [s for s in self.running if not s.finished]
+        self.prefilled = [s for s in self.prefilled if not s.finished]  # done by their first token
+        self._decoding = self._decoding and bool(self.running)
+        if self._stats is not None and self._last_batch:
+            self.admission.observe(self._last_batch, self._last_lens, self._stats.last_topk)
+        self._join_decode()
+        batch = self._prefill() or self._decode()
+        self._last_batch = batch
+        self._last_lens = [s.num_tokens - s.num_cached for s in batch]
+        return batch
+
+    def _join_decode(self) -> None:
+        """Fill free decode slots from the prefilled requests, in the admission policy's order."""
+        slots = self.batch_size - len(self.running)
+        if slots <= 0 or not self.prefilled:
+            return
+        order = self.admission.order(self.prefilled, self.running, slots)
+        chosen = order[:slots]
+        self.admission.joined(chosen, self.prefilled)
+        if self._decoding:
+            self.admissions_mid_flight += len(chosen)
+        taken = {id(s) for s in chosen}  # by identity: Sequence is a dataclass, == compares contents
+        self.prefilled = [s for s in self.prefilled if id(s) not in taken]
+        self.running.extend(chosen)
+
+    def _max_blocks(self, seq: Sequence) -> int:
+        return self.block_manager.blocks_needed(len(seq.prompt_ids) + seq.max_new_tokens)
+
+    def _prefill(self) -> list[Sequence]:
+        """A prefill step for waiting requests, in arrival order, as far as free slots (plus the
+        policy's lookahead), the token budget and KV blocks allow. Empty when none can start now."""
+        slots = self.batch_size - len(self.running) - len(self.prefilled)
+        if not self.waiting or slots + self.lookahead <= 0:
+            return []
+        bm = self.block_manager
+        # Requests prefilled ahead of a free slot must never cost a running one its KV: admit
+        # them only while every admitted request could reach its longest length at once.
+        committed = sum(self._max_blocks(s) for s in self.running + self.prefilled)
+        chosen: list[Sequence] = []
+        tokens = 0
+        for seq in self.waiting:
+            if len(chosen) >= slots + self.lookahead:
+                break
+            n = seq.num_tokens - seq.num_cached
+            if chosen and tokens + n > self.max_tokens_per_step:
+                break  # this one leads the next prefill step
+            if len(chosen) >= slots:
+                if committed + self._max_blocks(seq) > bm.num_blocks:
+                    break
+            # Leave one block per admitted sequence free so that the next decode step, which grows
+            # every sequence, does not preempt what was just admitted.
+            elif not bm.can_fit(seq.block_table, seq.num_tokens,
+                                reserve=len(self.running) + len(self.prefilled) + len(chosen)):
+                break  # back-pressure: wait for blocks; later requests must not overtake in memory
+            bm.ensure_capacity(seq.block_table, seq.num_tokens)
+            committed += self._max_blocks(seq)
+            chosen.append(seq)
+            tokens += n
+        if not chosen:
+            return []
+        for _ in chosen:
+            self.waiting.popleft()
+        now = time.perf_counter()
+        for seq in chosen:
+            seq.status = Status.RUNNING
+            if id(seq) in self._preempted:
+                self._preempted.discard(id(seq))
+                self.readmissions += 1
+            else:  # the queue wait ends when the request first gets compute
+                self.admissions += 1
+                seq.admitted_at = now
+                self._admitted_waits.append(now - seq.arrival)
+        self.prefilled.extend(chosen)
+        self.prefilled.sort(key=lambda s: self._rank[id(s)])
+        self.prefill_steps += 1
+        return chosen
+
+    def _decode(self) -> list[Sequence]:
+        """A decode step of every running request, each given room for one more token. When blocks
+        run out, a request prefilled ahead is dropped first, else the most recently admitted
+        running one (possibly the one growing) is preempted."""
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            try:
+                bm.ensure_capacity(seq.block_table, seq.num_tokens)
+                i += 1
+            except OutOfBlocks:
+                self._preempt(self.prefilled[-1] if self.prefilled else self.running[-1])
+        self._decoding = bool(self.running)
+        return list(self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running = [s for s in self.running if s is not seq]
+        self.prefilled = [s for s in self.prefilled if s is not seq]
+        self.block_manager.free(seq.block_table)
+        seq.num_cached = 0  # recompute prompt + produced tokens on readmission
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self._preempted.add(id(seq))
+        self.preemptions += 1
+
+    def evidence(self) -> dict:
+        return {
+            "admissions_mid_flight": self.admissions_mid_flight,
+            "admissions": self.admissions,
+            "preemptions": self.preemptions,
+            "readmissions": self.readmissions,
+            "prefill_steps": self.prefill_steps,
+            "lookahead": self.lookahead,
+            **self.admission.evidence(),
+        }
+
+
 def make_scheduler(runtime, block_manager: BlockManager) -> Scheduler:
+    from moebench.engine.admission import make_admission
     from moebench.errors import MoebenchError
 
     if runtime.scheduler == "static":
         return StaticScheduler(runtime.batch_size, block_manager, runtime.max_tokens_per_step)
+    if runtime.scheduler == "continuous":
+        return ContinuousScheduler(runtime.batch_size, block_manager, runtime.max_tokens_per_step,
+                                   make_admission(runtime.admission, runtime.batch_size))
     raise MoebenchError(f"scheduler={runtime.scheduler} is not implemented yet")
 
 
