@@ -386,7 +386,7 @@ def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: i
 
 def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 2000,
           batch_size: int = 32, lr: float = 2e-3, eval_every: int = 500, eval_items: int = 100,
-          final_eval: bool = True, threads: int = 1, log=print):
+          final_eval: bool = True, threads: int = 1, save_checkpoints: bool = False, log=print):
     from moebench.suites.synth import generate_split, format_training_text, load_synth_items
 
     # one thread: on a shared 2-core machine, 2 OpenMP threads ran up to 8x slower
@@ -462,7 +462,10 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
             ntok, tstep = 0, time.time()
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             te = time.time()
-            acc, _ = greedy_eval(to_hf(model), hf_tok, val)
+            hf_now = to_hf(model)
+            acc, _ = greedy_eval(hf_now, hf_tok, val)
+            if save_checkpoints:
+                save_bundle(hf_now, hf_tok, out / "checkpoint")
             log(f"eval step {step+1} val greedy acc {acc:.3f} ({len(val)} items, bf16 weights) "
                 f"[{time.time()-te:.0f}s]")
             ntok, tstep = 0, time.time()

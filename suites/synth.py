@@ -6,8 +6,8 @@ GSM8K calculator annotation ``<<a+b=c>>c`` and the solution ends with ``#### N``
 
 The distribution is made for a tiny model that must do the arithmetic itself, digit by
 digit: every operand, intermediate and final value stays below ``MAX_VALUE`` (100), so
-every number has one or two digits; multiplication is at most two digits times one digit,
-division is by one digit and exact.
+every number has one or two digits; the second operand of every step is one digit, so
+steps are 2-digit +/- 1-digit, at most 2-digit x 1-digit, and exact division by one digit.
 
 The split is by a hash of the question text, so train and test never share a problem:
 test items come from the test bucket of one fixed seed stream, train items from the train
@@ -139,19 +139,18 @@ def _calc(x: int, op: str, b: int) -> tuple[str, int]:
 
 
 def _operand(rng: random.Random, x: int, op: str) -> int | None:
-    """A second operand for `x op b` that keeps the problem learnable, or None."""
+    """A one-digit second operand for `x op b` that keeps every value below MAX_VALUE."""
     if op == "add":
-        hi = min(60, MAX_VALUE - 1 - x)
+        hi = min(9, MAX_VALUE - 1 - x)
         return rng.randint(2, hi) if hi >= 2 else None
     if op == "sub":
-        return rng.randint(1, x - 1) if x >= 3 else None
+        hi = min(9, x - 1)
+        return rng.randint(1, hi) if hi >= 1 else None
     if op == "mul":
-        if x > 99:
-            return None
         choices = [b for b in range(2, 10) if x * b < MAX_VALUE]
         return rng.choice(choices) if choices else None
     if op == "div":
-        choices = [b for b in range(2, 10) if x % b == 0 and x // b >= 2 and x // b <= 99]
+        choices = [b for b in range(2, 10) if x % b == 0 and x // b >= 2]
         return rng.choice(choices) if choices else None
     raise ValueError(op)
 
@@ -174,15 +173,15 @@ def generate_problem(rng: random.Random) -> Problem:
     lines: list[str] = []
     kind, qt, at = rng.choice(frame["start"])
     if kind == "plain":
-        x = rng.randint(5, MAX_VALUE - 1)
+        x = rng.randint(5, 60)
         qs.append(qt.format(a=x, **fields))
     else:
         if kind == "mul":
             b = rng.randint(2, 9)
             a = rng.randint(2, (MAX_VALUE - 1) // b)
         else:
-            a = rng.randint(2, MAX_VALUE - 10)
-            b = rng.randint(2, MAX_VALUE - 1 - a)
+            a = rng.randint(2, 60)
+            b = rng.randint(2, 9)
         calc, x = _calc(a, kind, b)
         qs.append(qt.format(a=a, b=b, **fields))
         lines.append(at.format(calc=calc, **fields))
