@@ -165,13 +165,32 @@ class PooledStore(ExpertStore):
             done.record(self.side_stream)
         return done
 
-    def _submit(self, layer: int, expert: int, slot: int, executor=None) -> Future:
+    def _submit(self, layer: int, loads: list[tuple[int, int]], executor) -> list[Future]:
+        """Queue (expert, slot) loads as at most one job per worker, each load with its own future.
+        One wake-up per worker, not per expert: on a busy CPU every hand-over of the GIL to a
+        freshly woken thread costs a scheduler slice. A load whose future was cancelled before its
+        turn is skipped."""
         pool = self.pools[layer]
         after = None
         if self.side_stream is not None:
             after = torch.cuda.Event()
             after.record()
-        return (executor or self.executor).submit(self._load, layer, expert, pool.w13[slot], pool.w2[slot], after)
+        futs = [Future() for _ in loads]
+        jobs = [[] for _ in range(min(len(loads), self.workers))]
+        for i, ((expert, slot), fut) in enumerate(zip(loads, futs)):
+            jobs[i % len(jobs)].append((fut, expert, pool.w13[slot], pool.w2[slot]))
+        for job in jobs:
+            executor.submit(self._run_job, layer, job, after)
+        return futs
+
+    def _run_job(self, layer, job, after) -> None:
+        for fut, expert, w13_dst, w2_dst in job:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._load(layer, expert, w13_dst, w2_dst, after))
+            except BaseException as e:  # handed to whoever waits for this expert
+                fut.set_exception(e)
 
     def _finish(self, fut: Future) -> None:
         """Wait for one load (re-raising its error) and order the compute stream after it."""
@@ -259,7 +278,7 @@ class PooledStore(ExpertStore):
             slots = [self._claim(pool, e, need, wait=True) for e in misses]
             t0 = time.perf_counter()
             if self.demand_executor is not None and len(misses) > 1:
-                futs = [self._submit(layer, e, s, self.demand_executor) for e, s in zip(misses, slots)]
+                futs = self._submit(layer, list(zip(misses, slots)), self.demand_executor)
                 for f in futs:
                     self._finish(f)
             else:  # the baseline: one at a time, on the critical path (the compute stream on CUDA)
@@ -335,16 +354,21 @@ class PooledStore(ExpertStore):
         for e in reversed(experts):  # predicted residents become the most recently used
             if e in pool.slot_of:
                 pool.slot_of.move_to_end(e)
+        loads = []
         for e in experts:
             if e in pool.slot_of:
                 continue
             slot = self._claim(pool, e, keep, wait=False)
             if slot is None:
                 break
-            pool.loading[e] = self._submit(layer, e, slot)
+            loads.append((e, slot))
+        if not loads:
+            return
+        for (e, _), fut in zip(loads, self._submit(layer, loads, self.executor)):
+            pool.loading[e] = fut
             pool.prefetched.add(e)
-            self.counters.add("prefetch_issued", 1)
-            self.counters.add("bytes_loaded", self.tier.expert_bytes)
+        self.counters.add("prefetch_issued", len(loads))
+        self.counters.add("bytes_loaded", len(loads) * self.tier.expert_bytes)
 
     def _score_prediction(self, pool: _Pool, need: set[int]) -> None:
         if pool.predicted is None:
@@ -485,6 +509,12 @@ def make_store_and_prefetcher(ckpt, runtime):
         raise MoebenchError(f"unknown --offload-tier '{runtime.offload_tier}' (choose host or disk)")
     slots = slots_for_budget(cfg, runtime)
     if slots >= cfg.num_experts:
+        moe = [w for i, w in enumerate(ckpt.layers) if cfg.is_moe_layer(i)]
+        if moe and moe[0].w13.dtype != runtime.torch_dtype:
+            raise MoebenchError(
+                f"{ckpt.path}: experts were loaded in {moe[0].w13.dtype} for an offloading budget; a fully "
+                f"resident run (--expert-budget {runtime.expert_budget}) needs them loaded in the compute dtype"
+            )
         store = ResidentStore(ckpt, runtime.expert_budget)
     else:
         lookahead = runtime.prefetch == "lookahead"

@@ -128,7 +128,10 @@ def _router_name(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.{block}.gate.weight"
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                    experts_in_checkpoint_dtype: bool = False) -> Checkpoint:
+    """`experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype (for an
+    expert budget below 1, whose store upcasts only the experts it holds; halves their memory)."""
     directory = Path(path)
     if not directory.is_dir():
         raise MoebenchError(f"{directory}: not a directory (expected a checkpoint with config.json and *.safetensors)")
@@ -181,13 +184,16 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
                 layer.w13 = get(fused_gate_up, E, 2 * I, H)
                 layer.w2 = get(f"{p}.mlp.experts.down_proj", E, H, I)
             else:
-                layer.w13 = torch.empty(E, 2 * I, H, device=device, dtype=dtype)
-                layer.w2 = torch.empty(E, H, I, device=device, dtype=dtype)
+                raw = experts_in_checkpoint_dtype
+                e_device, e_dtype = ("cpu", index.get(_expert_names(cfg, i, 0)[0], (I, H)).dtype) if raw else (device, dtype)
+                expert = (lambda n, *shape: index.get(n, shape)) if raw else get
+                layer.w13 = torch.empty(E, 2 * I, H, device=e_device, dtype=e_dtype)
+                layer.w2 = torch.empty(E, H, I, device=e_device, dtype=e_dtype)
                 for e in range(E):
                     gate, up, down = _expert_names(cfg, i, e)
-                    layer.w13[e, :I] = get(gate, I, H)
-                    layer.w13[e, I:] = get(up, I, H)
-                    layer.w2[e] = get(down, H, I)
+                    layer.w13[e, :I] = expert(gate, I, H)
+                    layer.w13[e, I:] = expert(up, I, H)
+                    layer.w2[e] = expert(down, H, I)
                     expert_sources[(i, e)] = [(index.name_to_file[n], n) for n in (gate, up, down)]
         else:
             D = cfg.dense_intermediate_size

@@ -55,15 +55,26 @@ def _moe_layers(ckpt) -> list[int]:
 _HOST_COPIES: dict[int, dict] = {}
 
 
+def expert_file_dtype(ckpt) -> torch.dtype:
+    """The dtype routed experts are stored in (the header of the file holding the first one)."""
+    if ckpt.expert_sources:
+        f, name = next(iter(ckpt.expert_sources.values()))[0]
+        meta = read_safetensors_header(Path(f))[1].get(name, {})
+        if meta.get("dtype") in _DTYPES:
+            return _DTYPES[meta["dtype"]]
+    return ckpt.checkpoint_dtype
+
+
 def _host_copy(ckpt, pin: bool) -> dict:
     key = id(ckpt)
     if key not in _HOST_COPIES:
-        dtype = ckpt.checkpoint_dtype
+        dtype = expert_file_dtype(ckpt)
         copy = {}
         for i in _moe_layers(ckpt):
             w = ckpt.layers[i]
-            # The checkpoint was loaded from `dtype`, so converting back is exact; on CPU with a
-            # float32 checkpoint `.to` returns the loaded tensor itself and costs no memory.
+            # The experts were loaded from `dtype`, so converting back is exact; where they are
+            # already in it (a float32 checkpoint run in float32, or a checkpoint loaded with
+            # experts_in_checkpoint_dtype) `.to` returns the loaded tensor itself: no extra memory.
             w13, w2 = w.w13.to("cpu", dtype), w.w2.to("cpu", dtype)
             if pin:
                 w13, w2 = w13.pin_memory(), w2.pin_memory()

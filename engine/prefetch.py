@@ -38,8 +38,9 @@ class LookaheadPrefetcher:
             if bool((wa.abs() > 1e-6).all()) and not torch.equal(wa, wb):
                 self.rescale[a] = wb / wa
         self.num_experts = cfg.num_experts
-        # Predicting a few more than top-k per token raises recall at the cost of bandwidth.
-        self.k = min(cfg.top_k + max(0, extra_per_token), cfg.num_experts)
+        # More than top-k per token raises recall at the cost of bandwidth; fewer keeps only the
+        # surest guesses (a router's top ranks are right more often than its last ones).
+        self.k = max(1, min(cfg.top_k + extra_per_token, cfg.num_experts))
         self.store = store
         # With every expert resident there is nothing to load: the prefetcher stays idle.
         self.active = isinstance(store, PooledStore)

@@ -201,3 +201,16 @@ def test_bad_budgets_refused(ckpt):
 def test_engine_refuses_too_small_budget_before_running(ckpt):
     with pytest.raises(MoebenchError, match="use at least 0.125"):
         generate(ckpt, expert_budget=0.1, prefetch="lookahead")
+
+
+def test_experts_kept_in_checkpoint_dtype_run_exactly(ckpt, resident):
+    """With a budget below 1 the loader may keep experts in bfloat16 (half the memory): the store
+    upcasts only the experts it holds, so outputs stay identical."""
+    raw = load_checkpoint(ckpt.path, experts_in_checkpoint_dtype=True)
+    assert raw.layers[0].w13.dtype == torch.bfloat16 and raw.layers[0].router.dtype == torch.float32
+    assert torch.equal(raw.layers[0].w13.float(), ckpt.layers[0].w13)
+    for tier in ("host", "disk"):
+        result = generate(raw, expert_budget=0.5, offload_tier=tier, prefetch="lookahead")
+        assert [c.output_ids for c in result.completions] == resident
+    with pytest.raises(MoebenchError, match="needs them loaded in the compute dtype"):
+        generate(raw, expert_budget=1.0)
