@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -83,10 +84,16 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
         return
     # enough requests that continuous batching must admit into a running batch
     items = suite.items[: max(n_items, min(len(suite.items), base_runtime.batch_size + 2))]
+    # staggered limits make requests finish at different steps even on a model that never stops,
+    # so a continuous scheduler has to admit into a running batch to pass the check
+    longest = min(base_runtime.max_new_tokens, 64)
+    requests = _requests(suite, items, longest)
+    for i, request in enumerate(requests):
+        request.max_new_tokens = max(2, longest * (1 + i % 3) // 3)
     for cfg in configs:
         runtime = runtime_for(base_runtime, cfg)
         with console.status(f"warm-up: {cfg.name}"):
-            result = Engine(ckpt(cfg), tokenizer, runtime).generate(_requests(suite, items, min(base_runtime.max_new_tokens, 64)))
+            result = Engine(ckpt(cfg), tokenizer, runtime).generate(requests)
         if result.activation_errors and len(items) > base_runtime.batch_size:
             raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
 
@@ -109,6 +116,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         warm_up(configs, ckpt, tokenizer, suite, base_runtime, _runtime_for, args["warmup"])
 
     samples_file = run_dir / "samples.jsonl"
+    activation_failures: list[str] = []
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
@@ -135,15 +143,16 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
-                if result.activation_errors and len(requests) > base_runtime.batch_size:
-                    raise ActivationError(f"config '{cfg.name}' trial {trial}: " + "; ".join(result.activation_errors))
+                failed = result.activation_errors if len(requests) > base_runtime.batch_size else []
+                if failed:
+                    activation_failures.append(f"config '{cfg.name}' trial {trial}: " + "; ".join(failed))
                 append_jsonl(run_dir / "trials.jsonl", {
                     "config": cfg.name, "trial": trial, "wall_s": result.wall_s,
                     "decode_s": decode_s, "decode_tokens": decode_tokens,
                     "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
                     "output_tokens": sum(len(c.output_ids) for c in result.completions),
-                    "evidence": result.evidence, "activation_ok": not result.activation_errors,
-                    "activation_errors": result.activation_errors, "expert_load": result.expert_load,
+                    "evidence": result.evidence, "activation_ok": not failed,
+                    "activation_errors": failed, "expert_load": result.expert_load,
                 })
                 steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
                 _write_steps(run_dir, steps)
@@ -157,6 +166,13 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         raise
 
     write_summary(run_dir)
+    if activation_failures:
+        # The warm-up proved each strategy can run; a trial whose workload never exercised it is
+        # still not a result: say so, keep the files, and fail the command.
+        for failure in activation_failures:
+            console.print(f"[red]activation failed[/red]: {failure}")
+        console.print(f"results kept in {run_dir}; the summary marks these configs activation.ok = false")
+        raise typer.Exit(1)
 
 
 def write_summary(run_dir: Path) -> dict:
