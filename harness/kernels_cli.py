@@ -174,7 +174,7 @@ def run_bench(
     repeats: int,
     dtype_name: str,
     device_name: str,
-    memory_fraction: float = 0.4,
+    memory_fraction: float = 0.3,
     log=print,
 ) -> tuple[dict, list[BenchRow]]:
     import torch
@@ -283,6 +283,14 @@ def _print_table(info: dict, rows: list[BenchRow]) -> None:
     console.print(table)
     for note in info["notes"]:
         console.print(f"note: {note}")
+    cores = os.cpu_count() or 1
+    if info["load_average"] is not None and info["load_average"] > cores and info["device"] == "cpu":
+        console.print(
+            f"warning: the machine is busy (load average {info['load_average']:.1f} on {cores} cores); "
+            "multi-threaded torch ops (many small parallel regions in the naive loop) suffer most from "
+            "sharing cores, so speedups are inflated and absolute times are not representative. "
+            "--threads 1 is less sensitive to this."
+        )
     console.print("GB/s = bytes of the distinct experts' weights a call touches / its time.")
 
 
@@ -294,7 +302,7 @@ def bench_command(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:n]."),
     threads: int = typer.Option(0, "--threads", help="torch / OpenMP threads on CPU (0: leave as is)."),
-    memory_fraction: float = typer.Option(0.4, "--memory-fraction", help="Share of free memory the weights may use."),
+    memory_fraction: float = typer.Option(0.3, "--memory-fraction", help="Share of free memory the weights may use."),
     json_out: Path = typer.Option(None, "--json", help="Also write the results to this JSON file."),
 ) -> None:
     """Time one MoE layer: naive per-expert loop vs the fused kernel (interleaved repeats)."""

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -63,6 +64,7 @@ inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float*
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   int64_t k = 0;
+#pragma GCC unroll 2
   for (; k + 8 <= K; k += 8) {
     __m256 xv[T];
 #pragma GCC unroll 4
@@ -126,8 +128,15 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 // Rows per work item. Gate/up: 16 intermediate rows = 32 weight rows; down: 32 output rows.
 // Large enough that the OpenMP scheduling cost is negligible next to streaming the rows,
 // small enough that there are many items to balance over the threads.
-constexpr int64_t kGateUpBlock = 16;
-constexpr int64_t kDownBlock = 32;
+#ifndef MOE_GATE_UP_BLOCK
+#define MOE_GATE_UP_BLOCK 16
+#endif
+#ifndef MOE_DOWN_BLOCK
+#define MOE_DOWN_BLOCK 32
+#endif
+constexpr int64_t kGateUpBlock = MOE_GATE_UP_BLOCK;
+constexpr int64_t kDownBlock = MOE_DOWN_BLOCK;
+constexpr double kMinParallelBytes = 256.0 * 1024;
 
 template <typename W>
 void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t* topk_ids, int64_t N,
@@ -157,17 +166,22 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   const int64_t A = static_cast<int64_t>(active.size());
 
   // Per-pair pointers: the token's activation row, and its intermediate row.
-  std::vector<float> hbuf(static_cast<size_t>(P) * I);
+  std::unique_ptr<float[]> hbuf(new float[static_cast<size_t>(P) * I]);  // no zero-fill: fully written
   std::vector<const float*> xrow(P), hrow(P);
   for (int64_t q = 0; q < P; ++q) {
     xrow[q] = x + tok[q] * ldx;
-    hrow[q] = hbuf.data() + q * I;
+    hrow[q] = hbuf.get() + q * I;
   }
 
   const int64_t nb_gu = (I + kGateUpBlock - 1) / kGateUpBlock;
   const int64_t nb_dn = (H + kDownBlock - 1) / kDownBlock;
 
-#pragma omp parallel num_threads(num_threads)
+  // A small layer (a few hundred KB of weights) is done in microseconds by one thread; waking
+  // a team and two barriers would cost more, and much more when another process holds a core.
+  const double bytes = static_cast<double>(A) * 3.0 * H * I * sizeof(W) + 4.0 * P * (H + I);
+  if (bytes < kMinParallelBytes) num_threads = 1;
+
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
 #pragma omp for schedule(dynamic, 1)
@@ -177,7 +191,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
       const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
       const W* we = w13 + e * s13e;
       const float* const* xs = xrow.data() + q0;
-      float* hb = hbuf.data() + q0 * I;
+      float* hb = hbuf.get() + q0 * I;
       int64_t j = j0;
       // Groups of 4 intermediate rows: gate rows j..j+3 and up rows I+j..I+j+3.
       for (; j + 4 <= j1; j += 4) {
