@@ -1,0 +1,66 @@
+"""Smoke test of the gate benchmark (harness/bench_gate.py): one tiny A/A run end to end, and
+the injected slowdown reaching only the candidate's runtime. Speed is not judged here."""
+
+import json
+import math
+
+import pytest
+
+from moebench.bench_gate import _candidate_extra, _configs, judge, results_table, run_bench, sweep_table
+from tiny_models import make_tiny_checkpoint, write_char_tokenizer
+
+
+def test_slowdown_reaches_only_the_candidate():
+    import moebench.run as run_mod
+    from moebench.engine import RuntimeConfig
+
+    original = run_mod._runtime_for
+    base = RuntimeConfig()
+    baseline, candidate = _configs()
+    with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
+        assert run_mod._runtime_for(base, candidate).extra == {"inject_slowdown": 0.15}
+        assert run_mod._runtime_for(base, baseline).extra == {}
+        assert run_mod._runtime_for(base, candidate).switches() == run_mod._runtime_for(base, baseline).switches()
+    assert run_mod._runtime_for is original
+
+
+def test_one_tiny_aa_run(tmp_path, gsm8k_dir):
+    model = make_tiny_checkpoint(tmp_path / "model")
+    write_char_tokenizer(model)
+    out = run_bench(runs=1, scenarios=("aa",), model=model, suite="gsm8k", data=gsm8k_dir, items=4,
+                    repeats=2, batch_size=4, max_new_tokens=8, workdir=tmp_path / "work", keep=True,
+                    progress=False)
+    json.dumps(out, allow_nan=False)  # the --out file is plain JSON
+
+    assert out["schema"] == "moebench.bench_gate/1"
+    assert out["settings"]["items"] == 4 and out["settings"]["repeats"] == 2
+    assert set(out["scenarios"]) == {"aa"}
+    aa = out["scenarios"]["aa"]
+    assert aa["runs"] == 1 and aa["gate_failures"] in (0, 1) and aa["rate"] == aa["gate_failures"]
+    (run,) = out["runs"]
+    assert run["scenario"] == "aa" and isinstance(run["gate_passed"], bool)
+    sp = run["speedup"]
+    assert sp["median"] > 0 and math.isfinite(sp["median"])
+    assert sp["ci_method"] == "bootstrap over decode steps"  # 2 trials: step-level interval
+    assert sp["ci95"][0] <= sp["median"] <= sp["ci95"][1]
+    assert len(run["trial_ratios"]) == 2
+    names = [r["name"] for r in run["rules"]]
+    assert "speedup candidate vs committed baseline" in names
+    assert "identical outputs candidate" in names  # the whole gate is judged, not only speed
+    assert run["failed_rules"] == [r["name"] for r in run["rules"] if not r["passed"]]
+    # A/A with the same switches: same greedy outputs, so only a speed rule could fail.
+    assert all(r["passed"] for r in run["rules"] if not r["name"].startswith("speedup"))
+    assert len(out["threshold_sweep"]) == 10
+    assert {"max_false_alarms", "false_alarms_ok", "met"} <= set(out["targets"])
+    assert (tmp_path / "work" / "aa-000" / "summary.json").is_file()
+
+    # The same verdict again from the summary on disk, and both rule kinds evaluate.
+    summary = json.loads((tmp_path / "work" / "aa-000" / "summary.json").read_text())
+    assert judge(summary, "regression", 0.05)[0] == run["gate_passed"]
+    assert isinstance(judge(summary, "noninferiority", 0.05)[0], bool)
+    results_table(out), sweep_table(out)
+
+
+def test_unknown_rule_is_rejected():
+    with pytest.raises(ValueError, match="unknown rule"):
+        run_bench(runs=1, rule="bogus")
