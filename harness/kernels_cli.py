@@ -2,8 +2,8 @@
 
 `bench` times one MoE layer (routing excluded) at model shapes, naive (`moe_reference`, the
 per-expert loop) against the fused kernel, interleaving the two so that machine noise hits
-both alike. Each repeat draws a fresh routing, shared by both paths, so the weights are read
-from memory as in decode and not from cache. Achieved bandwidth = bytes of the distinct
+both alike. Every call draws a fresh routing from the same distribution, so the weights are
+read from memory as in decode (where the next layer has other weights), not from cache. Achieved bandwidth = bytes of the distinct
 experts' weights the call touched / time; it is compared with the read bandwidth measured in
 the same process (a torch sum over a 256 MB tensor).
 """
@@ -222,11 +222,13 @@ def run_bench(
             gbs: dict[str, list[float]] = {p: [] for p in paths}
             distinct = []
             for rep in range(repeats + 1):  # repeat 0 is warm-up, not recorded
-                x = (torch.randn(n, shape.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
-                weights, ids = _route(shape, n, experts, device, gen)
-                touched = int(torch.unique(ids).numel())
                 order = list(paths) if rep % 2 == 0 else list(reversed(paths))
                 for p in order:
+                    # Every call gets its own routing: a call never finds the previous call's
+                    # experts in cache (in decode, the next layer has different weights).
+                    x = (torch.randn(n, shape.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
+                    weights, ids = _route(shape, n, experts, device, gen)
+                    touched = int(torch.unique(ids).numel())
                     _sync(device)
                     t = time.perf_counter()
                     paths[p](x, weights, ids, w13, w2)
@@ -235,8 +237,7 @@ def run_bench(
                     if rep:
                         times[p].append(dt)
                         gbs[p].append(touched * per_expert / dt / 1e9)
-                if rep:
-                    distinct.append(touched)
+                        distinct.append(touched)
             naive_ms = statistics.median(times["naive"]) * 1e3
             fused_ms = statistics.median(times["fused"]) * 1e3
             fused_gb_s = statistics.median(gbs["fused"])

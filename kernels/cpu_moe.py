@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import warnings
@@ -55,9 +56,33 @@ def _mode() -> str:
     return mode
 
 
+def find_ninja() -> str | None:
+    """The ninja binary torch's extension builder will run; a pip-installed ninja lives next to
+    the interpreter (or in the `ninja` package), which may not be on PATH when the virtual
+    environment is not activated: that directory is then added to PATH."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    candidates = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # the PyPI package
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for directory in candidates:
+        path = os.path.join(directory, "ninja")
+        if os.access(path, os.X_OK):
+            os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
+            return path
+    return None
+
+
 def _build():
     if not torch.cpu._is_avx2_supported():
         raise RuntimeError("this CPU has no AVX2/FMA")
+    if find_ninja() is None:
+        raise RuntimeError("ninja not found (pip install ninja)")
     from torch.utils.cpp_extension import load
 
     # The first build takes tens of seconds; say so rather than hang silently.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moebench.kernels import cpu_backend, fused_moe, fused_moe_cpu, moe_reference, route_softmax_topk
-from moebench.kernels.cpu_moe import BACKEND_CPP, fused_moe_cpu_torch, load_extension
+from moebench.kernels.cpu_moe import BACKEND_CPP, find_ninja, fused_moe_cpu_torch, load_extension
 
 TOKENS = [1, 3, 17, 64]
 EXPERTS = [7, 16, 60]
@@ -35,7 +35,7 @@ def assert_close_to_reference(out, ref, tol=1e-4):
 
 
 def _toolchain_present() -> bool:
-    return shutil.which("c++") is not None and shutil.which("ninja") is not None and torch.cpu._is_avx2_supported()
+    return shutil.which("c++") is not None and find_ninja() is not None and torch.cpu._is_avx2_supported()
 
 
 @pytest.mark.skipif(not _toolchain_present(), reason="no C++ compiler, ninja or AVX2 here")
@@ -129,3 +129,44 @@ def test_thread_count_does_not_change_results():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+def _reset_loader(monkeypatch, cm, build):
+    monkeypatch.setattr(cm, "_tried", False)
+    monkeypatch.setattr(cm, "_ext", None)
+    monkeypatch.setattr(cm, "_failure", None)
+    monkeypatch.setattr(cm, "_build", build)
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch):
+    import warnings
+
+    import moebench.kernels.cpu_moe as cm
+
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    _reset_loader(monkeypatch, cm, broken)
+    x, weights, ids, w13, w2 = make_case(3, 7, 2, 16, 8, seed=1)
+    with pytest.warns(RuntimeWarning, match="fallback"):
+        out = cm.fused_moe_cpu(x, weights, ids, w13, w2)
+    assert_close_to_reference(out, moe_reference(x, weights, ids, w13, w2))
+    assert cm.cpu_backend() == cm.BACKEND_TORCH
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        cm.fused_moe_cpu(x, weights, ids, w13, w2)
+
+
+def test_backend_environment_switch(monkeypatch):
+    import moebench.kernels.cpu_moe as cm
+
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    _reset_loader(monkeypatch, cm, broken)
+    monkeypatch.setenv("MOEBENCH_CPU_KERNEL", "cpp")
+    with pytest.raises(RuntimeError, match="cannot build"):
+        cm.load_extension()
+    _reset_loader(monkeypatch, cm, broken)
+    monkeypatch.setenv("MOEBENCH_CPU_KERNEL", "torch")
+    assert cm.cpu_backend() == cm.BACKEND_TORCH  # no build attempted, no warning
