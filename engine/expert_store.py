@@ -153,14 +153,15 @@ class PooledStore(ExpertStore):
 
     # ------------------------------------------------------------------ loading
 
-    def _load(self, layer: int, expert: int, w13_dst, w2_dst, after=None):
-        """Runs in a worker thread (or inline): copy one expert into its slot."""
+    def _load_many(self, layer: int, items, after=None):
+        """Runs in a worker thread: copy experts into their slots; on CUDA on the side stream, after
+        the slots' previous readers, returning the event the compute stream must wait for."""
         if self.side_stream is None:
-            self.tier.load(layer, expert, w13_dst, w2_dst)
+            self.tier.load_many(layer, items)
             return None
         with torch.cuda.stream(self.side_stream):
-            self.side_stream.wait_event(after)  # the slot's previous reader has finished
-            self.tier.load(layer, expert, w13_dst, w2_dst)
+            self.side_stream.wait_event(after)
+            self.tier.load_many(layer, items)
             done = torch.cuda.Event()
             done.record(self.side_stream)
         return done
@@ -184,13 +185,20 @@ class PooledStore(ExpertStore):
         return futs
 
     def _run_job(self, layer, job, after) -> None:
-        for fut, expert, w13_dst, w2_dst in job:
-            if not fut.set_running_or_notify_cancel():
+        """Load a job's experts one at a time where the tier reads each on its own (disk: a waiter
+        gets its expert as soon as it is read), all at once where one call does them all (host)."""
+        batches = [job] if self.tier.batched else [[item] for item in job]
+        for batch in batches:
+            batch = [item for item in batch if item[0].set_running_or_notify_cancel()]
+            if not batch:
                 continue
             try:
-                fut.set_result(self._load(layer, expert, w13_dst, w2_dst, after))
-            except BaseException as e:  # handed to whoever waits for this expert
-                fut.set_exception(e)
+                done = self._load_many(layer, [item[1:] for item in batch], after)
+                for item in batch:
+                    item[0].set_result(done)
+            except BaseException as e:  # handed to whoever waits for these experts
+                for item in batch:
+                    item[0].set_exception(e)
 
     def _finish(self, fut: Future) -> None:
         """Wait for one load (re-raising its error) and order the compute stream after it."""

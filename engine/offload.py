@@ -35,9 +35,15 @@ _ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffer addresses aligned to
 
 class ExpertTier:
     name = "base"
+    batched = False  # whether load_many does a batch in one call (else it is a loop over load)
 
     def load(self, layer: int, expert: int, w13_dst: torch.Tensor, w2_dst: torch.Tensor) -> int:
         raise NotImplementedError
+
+    def load_many(self, layer: int, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Several (expert, w13_dst, w2_dst) loads of one layer, in order."""
+        for expert, w13_dst, w2_dst in items:
+            self.load(layer, expert, w13_dst, w2_dst)
 
     def evidence(self) -> dict:
         return {"tier": self.name}
@@ -86,6 +92,7 @@ def _host_copy(ckpt, pin: bool) -> dict:
 
 class HostTier(ExpertTier):
     name = "host"
+    batched = True
 
     def __init__(self, ckpt, device: str):
         self.cuda = device == "cuda"
@@ -99,6 +106,14 @@ class HostTier(ExpertTier):
         w13_dst.copy_(w13[expert], non_blocking=self.cuda)
         w2_dst.copy_(w2[expert], non_blocking=self.cuda)
         return self.expert_bytes
+
+    def load_many(self, layer, items):
+        # One call for the whole batch: a worker thread takes the GIL once, not twice per expert.
+        # On a busy CPU a thread preempted while holding the GIL stalls the model's thread too.
+        w13, w2 = self.experts[layer]
+        dst = [d for _, d, _ in items] + [d for _, _, d in items]
+        src = [w13[e] for e, _, _ in items] + [w2[e] for e, _, _ in items]
+        torch._foreach_copy_(dst, src, non_blocking=self.cuda)
 
     def evidence(self):
         return {"tier": self.name, "tier_dtype": str(next(iter(self.experts.values()))[0].dtype).replace("torch.", ""),
@@ -124,9 +139,9 @@ class _Extent:
 
     __slots__ = ("file", "start", "end", "parts")
 
-    def __init__(self, file: str, parts: list[tuple[int, int, torch.dtype, tuple[int, ...]]]):
+    def __init__(self, file: str, parts: list[tuple]):
         self.file = file
-        self.parts = parts  # (absolute offset, nbytes, dtype, shape) for gate, up, down
+        self.parts = parts  # (absolute offset, nbytes, dtype, shape, 0/1/2 for gate/up/down)
         self.start = min(p[0] for p in parts)
         self.end = max(p[0] + p[1] for p in parts)
 
@@ -146,7 +161,7 @@ class DiskTier(ExpertTier):
         self.extents: dict[tuple[int, int], list[_Extent]] = {}
         for (layer, expert), sources in ckpt.expert_sources.items():
             by_file: dict[str, list] = {}
-            for f, name in sources:
+            for which, (f, name) in enumerate(sources):
                 f = str(f)
                 if f not in headers:
                     headers[f] = read_safetensors_header(Path(f))
@@ -155,7 +170,7 @@ class DiskTier(ExpertTier):
                 if meta is None or meta.get("dtype") not in _DTYPES:
                     raise MoebenchError(f"{f}: tensor '{name}' missing or of an unsupported dtype for the disk tier")
                 lo, hi = meta["data_offsets"]
-                by_file.setdefault(f, []).append((base + lo, hi - lo, _DTYPES[meta["dtype"]], tuple(meta["shape"])))
+                by_file.setdefault(f, []).append((base + lo, hi - lo, _DTYPES[meta["dtype"]], tuple(meta["shape"]), which))
             extents = []
             for f, parts in by_file.items():
                 span = max(p[0] + p[1] for p in parts) - min(p[0] for p in parts)
@@ -227,14 +242,12 @@ class DiskTier(ExpertTier):
     def load(self, layer, expert, w13_dst, w2_dst):
         inter = self.cfg.moe_intermediate_size
         dsts = (w13_dst[:inter], w13_dst[inter:], w2_dst)  # gate, up, down
-        k = 0
         for ext in self.extents[(layer, expert)]:
             buf, base = self._read(ext)
-            for off, nbytes, dtype, shape in ext.parts:
+            for off, nbytes, dtype, shape, which in ext.parts:
                 src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=base + off - ext.start)
                 # Synchronous copy: the buffer is reused by this thread's next read.
-                dsts[k].copy_(src.view(dtype).view(shape))
-                k += 1
+                dsts[which].copy_(src.view(dtype).view(shape))
         return self.expert_bytes
 
     def evidence(self):

@@ -10,7 +10,7 @@ from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine.expert_store import (
     STEP_KEYS, PooledStore, ResidentStore, make_store_and_prefetcher, slots_for_budget,
 )
-from moebench.engine.offload import DiskTier, HostTier
+from moebench.engine.offload import DiskTier, ExpertTier, HostTier
 from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint
 
@@ -101,6 +101,9 @@ def test_budget_one_with_lookahead_is_idle_not_an_error(ckpt, resident):
 
 
 class CountingTier(HostTier):
+    batched = False  # one `load` per expert, so each is counted
+    load_many = ExpertTier.load_many
+
     def __init__(self, ckpt):
         super().__init__(ckpt, "cpu")
         self.loads = []
@@ -214,3 +217,24 @@ def test_experts_kept_in_checkpoint_dtype_run_exactly(ckpt, resident):
         assert [c.output_ids for c in result.completions] == resident
     with pytest.raises(MoebenchError, match="needs them loaded in the compute dtype"):
         generate(raw, expert_budget=1.0)
+
+
+def test_disk_tier_on_a_sharded_checkpoint(ckpt, tmp_path, resident):
+    """Gate and down projections in one shard, up projections in another: each tensor lands in its
+    own part of the slot, whatever file holds it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt.path / "model.safetensors"))
+    shards = {"a.safetensors": {}, "b.safetensors": {}}
+    for name, t in tensors.items():
+        shards["b.safetensors" if "up_proj" in name else "a.safetensors"][name] = t
+    for fname, part in shards.items():
+        save_file(part, str(tmp_path / fname), metadata={"format": "pt"})
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text((ckpt.path / "config.json").read_text())
+    sharded = load_checkpoint(tmp_path)
+    result = generate(sharded, expert_budget=0.5, offload_tier="disk", prefetch="lookahead")
+    assert [c.output_ids for c in result.completions] == resident

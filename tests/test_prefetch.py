@@ -8,7 +8,7 @@ import torch
 
 from moebench.engine import RuntimeConfig, load_checkpoint
 from moebench.engine.expert_store import PooledStore
-from moebench.engine.offload import HostTier
+from moebench.engine.offload import ExpertTier, HostTier
 from moebench.engine.prefetch import LookaheadPrefetcher
 from tiny_models import make_tiny_checkpoint
 
@@ -34,6 +34,9 @@ def ckpt(tmp_path_factory):
 
 class GatedTier(HostTier):
     """Loads of the experts in `gated` wait until the test opens the gate."""
+
+    batched = False  # one `load` per expert, so each can be gated
+    load_many = ExpertTier.load_many
 
     def __init__(self, ckpt, gated=()):
         super().__init__(ckpt, "cpu")
