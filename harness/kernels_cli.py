@@ -3,9 +3,11 @@
 `bench` times one MoE layer (routing excluded) at model shapes, naive (`moe_reference`, the
 per-expert loop) against the fused kernel, interleaving the two so that machine noise hits
 both alike. Every call draws a fresh routing from the same distribution, so the weights are
-read from memory as in decode (where the next layer has other weights), not from cache. Achieved bandwidth = bytes of the distinct
-experts' weights the call touched / time; it is compared with the read bandwidth measured in
-the same process (a torch sum over a 256 MB tensor).
+read from memory as in decode (where the next layer has other weights), not from cache.
+Achieved bandwidth = bytes of the distinct experts' weights the call touched / time; it is
+compared with the read bandwidth measured in the same process (a torch sum over a 256 MB
+tensor), sampled once per repeat between the calls, because on a shared machine the
+bandwidth left to us drifts.
 """
 
 from __future__ import annotations
@@ -124,20 +126,31 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_read_bandwidth(device, megabytes: int = 256, repeats: int = 7) -> float:
-    """GB/s of a torch sum over a `megabytes` float32 tensor (median of `repeats`)."""
-    import torch
+class ReadBandwidth:
+    """GB/s of a torch sum over a 256 MB float32 tensor, sampled on demand."""
 
-    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device)
-    x.sum()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
+    def __init__(self, device, megabytes: int = 256):
+        import torch
+
+        self.device = device
+        self.buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device)
+        self.buffer.sum()
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        _sync(self.device)
         t = time.perf_counter()
-        x.sum()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+        self.buffer.sum()
+        _sync(self.device)
+        gb_s = self.buffer.numel() * 4 / (time.perf_counter() - t) / 1e9
+        self.samples.append(gb_s)
+        return gb_s
+
+
+def measure_read_bandwidth(device, megabytes: int = 256, repeats: int = 7) -> float:
+    """Median GB/s of `repeats` torch sums over a `megabytes` float32 tensor."""
+    bw = ReadBandwidth(device, megabytes)
+    return statistics.median(bw.sample() for _ in range(repeats))
 
 
 def _route(shape: LayerShape, n: int, experts: int, device, gen):
@@ -166,6 +179,7 @@ class BenchRow:
     fused_gb_s: float
     fused_frac_bw: float
     naive_gb_s: float
+    read_bandwidth_gb_s: float
 
 
 def run_bench(
@@ -186,13 +200,15 @@ def run_bench(
     itemsize = torch.empty((), dtype=dtype).element_size()
     fused = kernels.fused_moe
     backend = kernels.fused_backend(device_name)
-    bandwidth = measure_read_bandwidth(device)
+    bandwidth = ReadBandwidth(device)
+    for _ in range(3):
+        bandwidth.sample()
     info = {
         "device": device_name,
         "dtype": dtype_name,
         "threads": torch.get_num_threads(),
         "fused_backend": backend,
-        "read_bandwidth_gb_s": round(bandwidth, 2),
+        "read_bandwidth_gb_s": None,  # filled in at the end: median of all samples
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "repeats": repeats,
         "notes": [],
@@ -212,8 +228,8 @@ def run_bench(
             log(note)
         w13 = torch.empty(experts, 2 * shape.inter, shape.hidden, dtype=dtype, device=device)
         w2 = torch.empty(experts, shape.hidden, shape.inter, dtype=dtype, device=device)
-        w13.uniform_(-(shape.hidden**-0.5), shape.hidden**-0.5, generator=None)
-        w2.uniform_(-(shape.inter**-0.5), shape.inter**-0.5, generator=None)
+        w13.uniform_(-(shape.hidden**-0.5), shape.hidden**-0.5)
+        w2.uniform_(-(shape.inter**-0.5), shape.inter**-0.5)
         per_expert = shape.expert_bytes(itemsize)
         for n in tokens:
             # On CUDA `fused_moe` is the Triton kernel; on CPU the C++ (or grouped torch) path.
@@ -221,10 +237,13 @@ def run_bench(
             times: dict[str, list[float]] = {p: [] for p in paths}
             gbs: dict[str, list[float]] = {p: [] for p in paths}
             distinct = []
+            bw_samples = []
             for rep in range(repeats + 1):  # repeat 0 is warm-up, not recorded
                 order = list(paths) if rep % 2 == 0 else list(reversed(paths))
+                if rep:
+                    bw_samples.append(bandwidth.sample())
                 for p in order:
-                    # Every call gets its own routing: a call never finds the previous call's
+                    # Every call gets its own routing, so it rarely finds the previous call's
                     # experts in cache (in decode, the next layer has different weights).
                     x = (torch.randn(n, shape.hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
                     weights, ids = _route(shape, n, experts, device, gen)
@@ -250,11 +269,13 @@ def run_bench(
                 fused_ms=fused_ms,
                 speedup=naive_ms / fused_ms,
                 fused_gb_s=fused_gb_s,
-                fused_frac_bw=fused_gb_s / bandwidth,
+                fused_frac_bw=fused_gb_s / statistics.median(bw_samples),
+                read_bandwidth_gb_s=statistics.median(bw_samples),
                 naive_gb_s=statistics.median(gbs["naive"]),
             )
             rows.append(row)
         del w13, w2
+    info["read_bandwidth_gb_s"] = round(statistics.median(bandwidth.samples), 2)
     return info, rows
 
 
@@ -268,17 +289,18 @@ def _print_table(info: dict, rows: list[BenchRow]) -> None:
     load = "" if info["load_average"] is None else f"; load average {info['load_average']:.1f}"
     console.print(
         f"MoE layer on {info['device']} ({info['dtype']}, {info['threads']} threads); fused = {info['fused_backend']}; "
-        f"measured read bandwidth {info['read_bandwidth_gb_s']:.1f} GB/s{load}; "
+        f"read bandwidth (median of samples between calls) {info['read_bandwidth_gb_s']:.1f} GB/s{load}; "
         f"median of {info['repeats']} interleaved calls"
     )
     table = Table()
     for col in ("shape", "experts", "tokens", "distinct experts", "naive ms", "fused ms", "speedup",
-                "fused GB/s", "of read BW", "naive GB/s"):
+                "fused GB/s", "read BW GB/s", "fused / read BW", "naive GB/s"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for r in rows:
         table.add_row(
             r.shape, str(r.experts), str(r.tokens), f"{r.distinct_experts:.1f}", f"{r.naive_ms:.2f}",
-            f"{r.fused_ms:.2f}", f"{r.speedup:.2f}x", f"{r.fused_gb_s:.1f}", f"{r.fused_frac_bw:.0%}",
+            f"{r.fused_ms:.2f}", f"{r.speedup:.2f}x", f"{r.fused_gb_s:.1f}", f"{r.read_bandwidth_gb_s:.1f}",
+            f"{r.fused_frac_bw:.0%}",
             f"{r.naive_gb_s:.1f}",
         )
     console.print(table)

@@ -168,6 +168,11 @@ def fused_moe_triton(
         raise ValueError(f"fused_moe_triton: shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if n == 0:
         return torch.zeros_like(x)
+    out_dtype = x.dtype
+    if x.dtype != w13.dtype:  # tl.dot needs both operands in one dtype: compute in the weights'
+        x = x.to(w13.dtype)
+    if w2.dtype != w13.dtype:
+        raise ValueError(f"fused_moe_triton: w13 is {w13.dtype} but w2 is {w2.dtype}")
     if config is None:
         config = get_config(e, h_dim, inter, x.dtype, x.device, n, k)
     pairs = n * k
@@ -184,4 +189,4 @@ def fused_moe_triton(
         a_rows_are_pairs=True, gated=False, mul_routed_weight=True, config=config,
     )
     # Top-k reduction: each token's k rows are adjacent. Sum in float32 for half dtypes.
-    return y.view(n, k, h_dim).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(n, k, h_dim).sum(dim=1, dtype=torch.float32).to(out_dtype)
