@@ -527,7 +527,8 @@ def make_store_and_prefetcher(ckpt, runtime):
     else:
         lookahead = runtime.prefetch == "lookahead"
         disk = runtime.offload_tier == "disk"
-        readers = int(runtime.extra.get("readers", 4))
+        # O_DIRECT reads here: ~0.4 GB/s with one reader, ~0.7-1 GB/s with 4-16 in parallel
+        readers = int(runtime.extra.get("readers", 8))
         # Workers exist only to overlap loads with compute, which is what prefetch=lookahead is;
         # the baseline loads on the critical path, one expert at a time.
         workers = (readers if disk else int(runtime.extra.get("host_workers", 1))) if lookahead else 0

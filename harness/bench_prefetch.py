@@ -67,6 +67,9 @@ def _run(engine_cls, ckpt, prompts, runtime):
     decode = [s for s in result.steps if s["phase"] == "decode"]
     tokens = sum(s["decode_tokens"] for s in decode)
     seconds = sum(s["duration_s"] for s in decode)
+    hits, misses = (sum(s.get(k, 0) for s in decode) for k in ("expert_hits", "expert_misses"))
+    result.decode_stats = {"stall_ms_per_token": 1e3 * sum(s.get("stall_s", 0.0) for s in decode) / tokens,
+                           "decode_hit_rate": hits / (hits + misses) if hits + misses else None}
     return [c.output_ids for c in result.completions], seconds / tokens, result
 
 
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kernel", default="naive")
-    ap.add_argument("--readers", type=int, default=4, help="parallel readers of the disk tier (lookahead)")
+    ap.add_argument("--readers", type=int, default=8, help="parallel readers of the disk tier (lookahead)")
     ap.add_argument("--lookahead-extra", type=int, default=0, help="experts predicted per token beyond top-k")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1 leaves a core to the loader threads; 2 OpenMP threads on a "
@@ -117,6 +120,7 @@ def main(argv=None) -> int:
         for name, rt in configs:  # warm-up: caches, lazy inits, the disk tier's first opens
             _run(Engine, ckpt, prompts, replace(rt, max_new_tokens=2))
         times = {name: [] for name, _ in configs}
+        stalls = {name: [] for name, _ in configs}
         evidence = {}
         reference = None
         for rep in range(args.repeats):
@@ -129,7 +133,8 @@ def main(argv=None) -> int:
                 if result.activation_errors:
                     raise MoebenchError(f"{name}: {'; '.join(result.activation_errors)}")
                 times[name].append(per_token)
-                evidence[name] = result.evidence["prefetch"]
+                stalls[name].append(result.decode_stats["stall_ms_per_token"])
+                evidence[name] = {**result.evidence["prefetch"], **result.decode_stats}
                 print(f"  repeat {rep} {name:16s} {per_token * 1e3:8.2f} ms/token", flush=True)
     except MoebenchError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -140,28 +145,36 @@ def main(argv=None) -> int:
     print(f"\nbudget {args.budget}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} repeats, "
           f"median decode time per token:")
     print(f"{'config':16s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
-          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'stall s':>7s}")
+          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s}")
+    print("(hit rate, prefetch and prediction columns: the whole last run, prefill included; the last two: "
+          "decode steps only, stall as a median over repeats)")
     for name, _ in configs:
         t = statistics.median(times[name])
         ev = evidence[name]
         row = {"ms_per_token": t * 1e3, "tokens_per_s": 1 / t,
                "ms_per_token_trials": [x * 1e3 for x in times[name]],
                **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
-                                         "prediction_precision", "prediction_recall", "stall_s", "read_mode")}}
+                                         "prediction_precision", "prediction_recall", "stall_s", "read_mode",
+                                         "decode_hit_rate")},
+               "decode_stall_ms_per_token": statistics.median(stalls[name])}
         report["configs"][name] = row
         print(f"{name:16s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
               f"{_fmt(ev.get('prefetch_hits'), '4d')}/{_fmt(ev.get('prefetch_issued'), '<4d')} "
               f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
-              f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('stall_s'), '7.3f')}")
+              f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('decode_hit_rate'), '10.1%')} "
+              f"{statistics.median(stalls[name]):12.2f}")
     for tier in tiers:
         shares = []
         for res, off, la in zip(times["resident"], times[f"{tier}/off"], times[f"{tier}/lookahead"]):
             shares.append((off - la) / (off - res) if off > res else float("nan"))
         share = statistics.median(shares)
-        report["hidden_share"][tier] = {"median": share, "trials": shares}
-        speed = statistics.median(times[f"{tier}/off"]) / statistics.median(times[f"{tier}/lookahead"])
-        print(f"{tier}: lookahead hides {share:.1%} of the offload penalty "
-              f"(per repeat: {', '.join(f'{s:.1%}' for s in shares)}); decode {speed:.2f}x vs off")
+        res, off, la = (statistics.median(times[n]) for n in ("resident", f"{tier}/off", f"{tier}/lookahead"))
+        of_medians = (off - la) / (off - res) if off > res else float("nan")
+        report["hidden_share"][tier] = {"median": share, "trials": shares, "of_medians": of_medians,
+                                        "speedup_vs_off": off / la}
+        print(f"{tier}: lookahead hides {share:.1%} of the offload penalty (median of paired repeats: "
+              f"{', '.join(f'{s:.1%}' for s in shares)}; from the median times: {of_medians:.1%}); "
+              f"decode {off / la:.2f}x vs off")
     if args.json:
         from moebench.fileio import atomic_write_json
 
