@@ -384,8 +384,8 @@ def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: i
 
 # ---------------------------------------------------------------- training
 
-def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 2000,
-          batch_size: int = 32, lr: float = 2e-3, eval_every: int = 500, eval_items: int = 100,
+def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 3200,
+          batch_size: int = 16, lr: float = 3e-3, eval_every: int = 300, eval_items: int = 100,
           final_eval: bool = True, threads: int = 1, save_checkpoints: bool = False, log=print):
     from moebench.suites.synth import generate_split, format_training_text, load_synth_items
 
@@ -609,10 +609,10 @@ def train_bundled_command(
     out: Annotated[Path, typer.Option(help="Output folder for the checkpoint.")] = BUNDLED_DIR,
     minutes: Annotated[float, typer.Option(help="Wall-time cap for training (minutes).")] = 45.0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 2000,
-    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
-    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 2e-3,
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 500,
+    steps: Annotated[int, typer.Option(help="Optimizer steps (the time budget may stop training earlier).")] = 3200,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 300,
     threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest on a shared machine).")] = 1,
 ) -> None:
     """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split."""
