@@ -20,7 +20,7 @@ def _root() -> None:
 
 
 # Command registrations (one line per command, each module owns its command function).
-from moebench import gate, kernels_cli, report  # noqa: E402
+from moebench import gate, kernels_cli, report, train  # noqa: E402
 from moebench.bench_engine import bench_engine_command  # noqa: E402
 from moebench.run import run_command  # noqa: E402
 
@@ -28,6 +28,7 @@ app.command("run")(run_command)
 app.command("report")(report.report_command)
 app.command("gate")(gate.gate_command)
 app.command("bench-engine")(bench_engine_command)
+app.command("train-bundled")(train.train_bundled_command)
 app.add_typer(kernels_cli.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
 
 
