@@ -528,13 +528,13 @@ routing was learned, with answers that can be scored exactly.
 quantity (objects, money, or an amount of stuff) changed by 1 to 5 steps drawn from
 {synth.TEMPLATE_COUNT} templates (24 names); each step is a line with a calculator annotation
 `<<a+b=c>>c`, and the solution ends with `#### N`. All four operations, division only when
-exact; every value below {synth.MAX_VALUE}; multiplication at most 2 digits x 1 digit; additions
-add at most a 2-digit number. Step counts are skewed to short problems (weights
+exact; every value below {synth.MAX_VALUE}; the second operand of every step is one digit (2-digit
++/- 1-digit, at most 2-digit x 1-digit, exact division by one digit). Step counts are skewed to short problems (weights
 {list(synth.STEP_WEIGHTS)}), so answer lengths vary (P95/P50 of answer tokens >= 2).
 Split by a hash of the question text: the 1,000 test items (`gsm-synth/test/N`) are never
 seen in training.
 
-Training text is exactly the evaluation format: `Question: {{q}}\nAnswer: {{answer}}` + EOS;
+Training text is exactly the evaluation format: `Question: {{q}}\\nAnswer: {{answer}}` + EOS;
 the loss covers the answer and EOS only.
 
 ## Training
@@ -544,13 +544,13 @@ transformers' Qwen3MoE (experts run as one matmul per expert over tokens sorted 
 AdamW (betas 0.9/0.95, weight decay 0.1), warmup then cosine decay, gradient clipping 1.0,
 Switch-style load-balancing loss (coefficient {cfg['router_aux_loss_coef']}), float32, one CPU thread,
 fresh problems every step. {r['steps']} steps, {r['train_minutes']} min wall time on a shared
-2-core CPU. Weights were rounded to bfloat16 for export; all accuracy figures below are
+2-core CPU{' (the wall-time budget ended training; the learning-rate schedule follows the larger of step and time progress, so a time-limited run is not bit-reproducible)' if r.get('time_limited') else ''}. The log of loss and held-out greedy accuracy is `train_log.txt`. Weights were rounded to bfloat16 for export; all accuracy figures below are
 after that rounding (computed in float32).
 
 ## Evaluation (engine-free, through transformers)
 
 `python -c "from moebench.train import evaluate_bundle; evaluate_bundle()"`: greedy
-`generate` with left padding, zero-shot prompt `Question: {{q}}\nAnswer:`, stop at EOS,
+`generate` with left padding, zero-shot prompt `Question: {{q}}\\nAnswer:`, stop at EOS,
 exact match on the number after `####`.
 
 - Greedy accuracy on the 1,000 held-out test items: **{acc_s}**.
@@ -616,8 +616,14 @@ def train_bundled_command(
     threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest on a shared machine).")] = 1,
 ) -> None:
     """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    log_file = Path(out) / "train_log.txt"
+    log_file.write_text("")
+
     def log(msg):
         print(msg, flush=True)
+        with log_file.open("a") as f:
+            f.write(msg + "\n")
 
     train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
           eval_every=eval_every, threads=threads, log=log)
