@@ -292,7 +292,7 @@ def _print_table(info: dict, rows: list[BenchRow]) -> None:
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=160)  # piped output: do not squeeze the table to 80 columns
+        console = Console(width=200)  # piped output: do not squeeze the table to 80 columns
     load = "" if info["load_average"] is None else f"; load average {info['load_average']:.1f}"
     console.print(
         f"MoE layer on {info['device']} ({info['dtype']}, {info['threads']} threads); fused = {info['fused_backend']}; "
