@@ -13,8 +13,6 @@ drifts, and a multi-threaded torch sum suffers when another process takes one of
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import statistics
 import time
