@@ -108,7 +108,7 @@ def run_command(
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory (config.json, *.safetensors, tokenizer.json). Default: the bundled gsm-synth MoE."),
     suite: str = typer.Option("gsm-synth", "--suite", help="Suite: gsm-synth (bundled, default), gsm8k (5-shot), gsm8k_cot (8-shot)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Directory with GSM8K test.jsonl/train.jsonl (else $MOEBENCH_GSM8K_DIR, else the openai/gsm8k hub data set)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N items of the suite."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N items of the suite (default: all; 200 for the bundled gsm-synth suite, so the default job takes minutes)."),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt (default: the prompt format's)."),
     kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive (per-expert loop) or fused."),
     scheduler: str = typer.Option("static", "--scheduler", help="Batching: static or continuous."),
@@ -123,6 +123,7 @@ def run_command(
     offload_tier: str = typer.Option("host", "--offload-tier", help="Where non-resident experts live: host or disk."),
     admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
     device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's own choice, all cores). On a busy shared machine 1 is steadier."),
     seed: int = typer.Option(0, "--seed", help="Seed recorded in the manifest (decoding is greedy)."),
     out: Path = typer.Option(Path("results"), "--out", help="Parent directory of the run directory."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: timestamp and model)."),
@@ -143,7 +144,7 @@ def run_command(
             factorial=factorial, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, device=device, seed=seed,
-            negative_control=negative_control_,
+            negative_control=negative_control_, threads=threads,
         )
         run_dir = None
     if args["repeats"] < 1:
@@ -152,6 +153,12 @@ def run_command(
         raise MoebenchError("--factorial needs --ablate")
 
     configs = _configs(args)
+    if args.get("threads"):
+        import torch
+
+        if args["threads"] < 1:
+            raise MoebenchError(f"--threads must be >= 1, got {args['threads']}")
+        torch.set_num_threads(args["threads"])
     budget = args["expert_budget"]
     if budget is None:
         budget = "0.5" if (args["ablate"] and args["model"] is None and "prefetch" in _implemented_switches()) else "1.0"
@@ -164,6 +171,8 @@ def run_command(
 
     from moebench.suites import load_suite
 
+    if args["limit"] is None and args["suite"] == "gsm-synth":
+        args["limit"] = 200
     suite_obj = load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
                            num_fewshot=args["num_fewshot"])
     model_path = Path(args["model"]) if args["model"] else bundled_model_path()
