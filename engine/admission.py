@@ -127,13 +127,17 @@ class AffinityAdmission(AdmissionPolicy):
         known = [s for s in free if s.routed_experts is not None]
         unknown = [s for s in free if s.routed_experts is None]
         picked: list[Sequence] = []
-        while known and len(forced) + len(picked) < slots:
-            cold = torch.exp(-profile)
-            costs = torch.stack([(s.routed_experts * cold).sum() for s in known])
-            best = int(torch.argmin(costs))  # ties: the earliest arrival (candidates are in arrival order)
-            s = known.pop(best)
-            picked.append(s)
-            profile += s.routed_experts
+        if known:
+            sigs = torch.stack([s.routed_experts for s in known])  # [n, layers, experts]
+            left = torch.ones(len(known), dtype=torch.bool)
+            while left.any() and len(forced) + len(picked) < slots:
+                # expected new experts: each candidate's routing mass on experts the profile leaves cold
+                costs = (sigs * torch.exp(-profile)).sum(dim=(1, 2)).masked_fill(~left, float("inf"))
+                best = int(torch.argmin(costs))  # ties: the earliest arrival (candidates are in arrival order)
+                left[best] = False
+                picked.append(known[best])
+                profile += sigs[best]
+            known = [s for s, still in zip(known, left.tolist()) if still]
         return forced + picked + known + unknown
 
     def joined(self, chosen, candidates) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -80,7 +81,87 @@ def _percentile(values, q):
     return values[idx]
 
 
-def _metrics(result, request_arrival_waits, full: int) -> dict:
+class Lockstep:
+    """Round-robin baton over the configs' engines, each in its own thread: one engine runs one
+    step, then hands over. Load from other processes then hits every config alike, step by step.
+    The engine times only its forward, so waiting for the baton never enters a step's duration."""
+
+    def __init__(self, n: int):
+        self.cond = threading.Condition()
+        self.active = list(range(n))
+        self.turn = 0
+
+    def _wait(self, i):
+        while self.active[self.turn] != i:
+            self.cond.wait()
+
+    def enter(self, i):
+        with self.cond:
+            self._wait(i)
+
+    def hand_over(self, i):
+        with self.cond:
+            self.turn = (self.active.index(i) + 1) % len(self.active)
+            self.cond.notify_all()
+            self._wait(i)
+
+    def leave(self, i):
+        with self.cond:
+            pos = self.active.index(i)
+            self.active.remove(i)
+            self.turn = pos % len(self.active) if self.active else 0
+            self.cond.notify_all()
+
+
+class StepClock:
+    """Wraps a scheduler: passes the baton at every step and keeps the engine's own clock (the
+    time spent between its schedule() calls, waiting excluded), so queue waits and latencies are
+    those the config would have had alone."""
+
+    def __init__(self, scheduler, lockstep: Lockstep | None, index: int):
+        self._inner = scheduler
+        self._lockstep, self._index = lockstep, index
+        self.clock = 0.0
+        self._since = None
+        self.first = {}  # request id -> own-clock time its first step started (queue wait)
+        self.second = {}  # request id -> own-clock time its first decode step ended
+        self.last = {}  # request id -> own-clock time its last step ended
+        self._batch = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def schedule(self):
+        now = time.perf_counter()
+        if self._since is None:
+            if self._lockstep:
+                self._lockstep.enter(self._index)
+        else:
+            self.clock += now - self._since
+            for seq in self._batch:
+                self.last[seq.id] = self.clock
+                if len(seq.output_ids) >= 2:
+                    self.second.setdefault(seq.id, self.clock)
+            if self._lockstep:
+                self._lockstep.hand_over(self._index)
+        batch = self._inner.schedule()
+        for seq in batch:
+            self.first.setdefault(seq.id, self.clock)
+        self._batch = batch
+        self._since = time.perf_counter()
+        return batch
+
+    def close(self):
+        if self._since is not None:
+            self.clock += time.perf_counter() - self._since
+            for seq in self._batch:
+                self.last[seq.id] = self.clock
+                if len(seq.output_ids) >= 2:
+                    self.second.setdefault(seq.id, self.clock)
+            self._since = None
+
+
+def _metrics(result, clock: StepClock, full: int) -> dict:
     decode = [s for s in result.steps if s["phase"] == "decode"]
     tokens = sum(s["decode_tokens"] for s in decode)
     seconds = sum(s["duration_s"] for s in decode)
@@ -89,18 +170,18 @@ def _metrics(result, request_arrival_waits, full: int) -> dict:
         "decode_tokens": tokens,
         "decode_s": seconds,
         "decode_steps": len(decode),
+        "prefill_s": sum(s["duration_s"] for s in result.steps if s["phase"] != "decode"),
         "mean_batch": statistics.fmean(s["batch_size"] for s in decode) if decode else 0.0,
         "distinct_experts": statistics.fmean(s["distinct_experts"] for s in decode) if decode else 0.0,
         # batch size drives distinct experts; compare policies on full-batch steps too
         "distinct_full": statistics.fmean([s["distinct_experts"] for s in decode if s["batch_size"] == full] or [float("nan")]),
-        "wall_s": result.wall_s,
-        "queue_wait_p95_s": _percentile(request_arrival_waits, 0.95),
-        "queue_wait_mean_s": statistics.fmean(request_arrival_waits),
-        # a request prefilled ahead may still wait for a decode slot: the time to its second token
-        # shows that wait, whatever the admission counted as "queue"
-        "second_token_p95_s": _percentile([c.token_times[1] for c in result.completions if len(c.token_times) > 1], 0.95),
-        "latency_p95_s": _percentile([c.latency_s for c in result.completions], 0.95),
-        "latency_mean_s": statistics.fmean(c.latency_s for c in result.completions),
+        "own_time_s": clock.clock,
+        # every request arrives at time 0 of the engine's own clock
+        "queue_wait_p95_s": _percentile(list(clock.first.values()), 0.95),
+        # a request prefilled ahead may still wait for a decode slot: its second token shows it
+        "second_token_p95_s": _percentile(list(clock.second.values()), 0.95),
+        "latency_p95_s": _percentile(list(clock.last.values()), 0.95),
+        "latency_mean_s": statistics.fmean(clock.last.values()),
     }
 
 
@@ -117,10 +198,14 @@ def bench(
     configs: str = typer.Option(",".join(CONFIGS)),
     repeats: int = typer.Option(2),
     kernel: str = typer.Option("naive"),
-    out: Optional[Path] = typer.Option(None, help="Write per-trial metrics as JSON here."),
+    lockstep: bool = typer.Option(True, help="Interleave the configs step by step (threads, one runs at a time)."),
+    out: Optional[Path] = typer.Option(None, help="Write per-trial metrics and step records as JSON here."),
 ):
+    """Static vs continuous (fifo, affinity) on a suite's prompts; decode tok/s, distinct experts,
+    queue wait, latency, and the share of outputs identical to the first config's."""
     import torch
 
+    import moebench.engine.llm_engine as llm_engine
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
     from moebench.engine.loader import load_tokenizer
     from moebench.suites import load_suite
@@ -138,47 +223,75 @@ def bench(
         requests = [Request(item.id, p, max_new_tokens, tuple(s.stop)) for item, p in zip(s.items, prompts)]
     print(f"{len(requests)} requests, prompt tokens mean {statistics.fmean(map(len, prompt_ids)):.0f}, "
           f"max_new_tokens mean {statistics.fmean(r.max_new_tokens for r in requests):.0f} "
-          f"(min {min(r.max_new_tokens for r in requests)}, max {max(r.max_new_tokens for r in requests)})")
+          f"(min {min(r.max_new_tokens for r in requests)}, max {max(r.max_new_tokens for r in requests)})", flush=True)
     names = configs.split(",")
     base = RuntimeConfig(batch_size=batch_size, max_new_tokens=max_new_tokens, kernel=kernel)
-    rows, outputs = [], {}
-    # warm-up: a few requests per config (allocator, caches), not measured
+
+    # every engine builds its scheduler through this: wrap it in the calling thread's StepClock
+    original_make = llm_engine.make_scheduler
+    local = threading.local()
+
+    def make_scheduler(runtime, block_manager):
+        local.clock = StepClock(original_make(runtime, block_manager), local.lockstep, local.index)
+        return local.clock
+
+    llm_engine.make_scheduler = make_scheduler
+
+    def run(name, index, baton, slot):
+        local.lockstep, local.index = baton, index
+        try:
+            result = Engine(ckpt, tokenizer, replace(base, **CONFIGS[name])).generate(requests, prompt_ids=prompt_ids)
+            local.clock.close()
+            slot[name] = (result, local.clock)
+        finally:
+            if baton:
+                baton.leave(index)
+
+    # warm-up: a few short requests per config (allocator, caches), not measured
     for name in names:
+        local.lockstep, local.index = None, 0
         Engine(ckpt, tokenizer, replace(base, **CONFIGS[name])).generate(requests[:2], prompt_ids=[p[:64] for p in prompt_ids[:2]])
+    rows, outputs, steps = [], {}, []
     for trial in range(repeats):
+        slot = {}
+        order = names if trial % 2 == 0 else names[::-1]  # who steps first alternates
+        if lockstep:
+            baton = Lockstep(len(order))
+            threads = [threading.Thread(target=run, args=(n, i, baton, slot)) for i, n in enumerate(order)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for name in order:
+                run(name, 0, None, slot)
         for name in names:
-            runtime = replace(base, **CONFIGS[name])
-            engine = Engine(ckpt, tokenizer, runtime)
-            result = engine.generate(requests, prompt_ids=prompt_ids)
-            # every request arrives at once, so all requests admitted in one step waited the same:
-            # the step's mean queue wait, once per request it admitted
-            waits = [s["queue_wait_s"] for s in result.steps if not math.isnan(s["queue_wait_s"])
-                     for _ in range(s["batch_size"])]
-            m = _metrics(result, waits, batch_size)
+            result, clock = slot[name]
+            m = _metrics(result, clock, batch_size)
             m.update(config=name, trial=trial, evidence=result.evidence["scheduler"], errors=result.activation_errors)
             rows.append(m)
+            steps.extend({"config": name, "trial": trial, **st} for st in result.steps)
             outputs.setdefault(name, []).append([c.output_ids for c in result.completions])
-            print(f"{name:>20} #{trial}: decode {m['decode_tok_s']:7.1f} tok/s  batch {m['mean_batch']:5.2f}  "
-                  f"distinct {m['distinct_experts']:5.2f} (full {m['distinct_full']:5.2f})  wait p95 {m['queue_wait_p95_s']:6.2f}s  "
-                  f"2nd-token p95 {m['second_token_p95_s']:6.2f}s  latency p95 {m['latency_p95_s']:6.2f}s  "
-                  f"wall {m['wall_s']:6.1f}s  {json.dumps(m['evidence'])}", flush=True)
+            print(f"{name:>20} #{trial}: decode {m['decode_tok_s']:7.2f} tok/s  batch {m['mean_batch']:5.2f}  "
+                  f"distinct {m['distinct_experts']:5.2f} (full batch {m['distinct_full']:5.2f})  "
+                  f"queue p95 {m['queue_wait_p95_s']:6.1f}s  2nd-token p95 {m['second_token_p95_s']:6.1f}s  "
+                  f"latency p95 {m['latency_p95_s']:6.1f}s  own time {m['own_time_s']:6.1f}s  "
+                  f"{json.dumps(m['evidence'])}{'  ERRORS ' + str(m['errors']) if m['errors'] else ''}", flush=True)
+    llm_engine.make_scheduler = original_make
     print()
     ref = outputs[names[0]][0]
     for name in names:
-        med = {k: statistics.median(r[k] for r in rows if r["config"] == name)
-               for k in ("decode_tok_s", "distinct_experts", "queue_wait_p95_s", "mean_batch", "wall_s",
-                         "second_token_p95_s", "latency_p95_s", "distinct_full")}
+        mine = [r for r in rows if r["config"] == name]
+        med = {k: statistics.median(r[k] for r in mine) for k in mine[0] if isinstance(mine[0][k], (int, float))}
         same = statistics.fmean(a == b for outs in outputs[name] for a, b in zip(outs, ref))
-        ratios = [r["decode_tok_s"] / b["decode_tok_s"] for r, b in
-                  zip([r for r in rows if r["config"] == name], [r for r in rows if r["config"] == names[0]])]
-        print(f"{name:>20}: decode {med['decode_tok_s']:7.1f} tok/s (x{statistics.median(ratios):.2f} vs {names[0]}, "
-              f"per trial {', '.join(f'{x:.2f}' for x in ratios)})  distinct/layer/step {med['distinct_experts']:5.2f}  "
-              f"(at full batch {med['distinct_full']:5.2f})  queue wait p95 {med['queue_wait_p95_s']:6.2f}s  "
-              f"2nd-token p95 {med['second_token_p95_s']:6.2f}s  latency p95 {med['latency_p95_s']:6.2f}s  "
-              f"mean batch {med['mean_batch']:5.2f}  wall {med['wall_s']:6.1f}s  "
-              f"identical to {names[0]} {100 * same:.1f}%")
+        ratios = [r["decode_tok_s"] / b["decode_tok_s"] for r, b in zip(mine, [r for r in rows if r["config"] == names[0]])]
+        print(f"{name:>20}: decode {med['decode_tok_s']:7.2f} tok/s (x{statistics.median(ratios):.3f} vs {names[0]}; "
+              f"trials {', '.join(f'{x:.3f}' for x in ratios)})  distinct/layer/decode step {med['distinct_experts']:5.2f} "
+              f"(full batch {med['distinct_full']:5.2f})  queue p95 {med['queue_wait_p95_s']:6.1f}s  "
+              f"2nd-token p95 {med['second_token_p95_s']:6.1f}s  latency p95 {med['latency_p95_s']:6.1f}s  "
+              f"mean decode batch {med['mean_batch']:5.2f}  identical to {names[0]} {100 * same:.1f}%")
     if out:
-        out.write_text(json.dumps(rows, indent=1, default=str))
+        out.write_text(json.dumps({"rows": rows, "steps": steps}, default=str))
 
 
 if __name__ == "__main__":

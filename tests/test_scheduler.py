@@ -69,6 +69,7 @@ def test_every_request_completes_once_as_if_alone(ckpt, workload, alone, policy)
     check_complete(result, workload, alone)
     ev = result.evidence["scheduler"]
     assert ev["admissions"] == NUM_REQUESTS and ev["admissions_mid_flight"] > 0 and ev["preemptions"] == 0
+    assert ev["mid_flight_opportunities"] > 0
     assert not result.activation_errors
     # decode steps stay pure: a step is all prefill or all decode, and never exceeds the batch size
     assert {s["phase"] for s in result.steps} == {"prefill", "decode"}
@@ -124,6 +125,15 @@ def test_out_of_blocks_waits_or_preempts_and_outputs_stay_correct(ckpt, workload
     assert min(s["batch_size"] for s in result.steps if s["phase"] == "decode") < 3  # memory, not slots, bound it
 
 
+def test_equal_lengths_leave_nothing_to_admit_mid_flight_and_that_is_no_error(ckpt, workload):
+    _, prompts = workload
+    requests = [Request(f"e{i}", "", 5) for i in range(6)]
+    result = Engine(ckpt, None, RuntimeConfig(batch_size=3, scheduler="continuous")).generate(requests, prompt_ids=prompts[:6])
+    ev = result.evidence["scheduler"]
+    assert ev["admissions_mid_flight"] == 0 and ev["mid_flight_opportunities"] == 0
+    assert not result.activation_errors
+
+
 def test_a_request_larger_than_the_cache_is_an_error_not_a_hang(ckpt, workload, monkeypatch):
     monkeypatch.setattr(Engine, "_kv_blocks", lambda self, seqs: 2)
     requests, prompts = workload
@@ -133,8 +143,12 @@ def test_a_request_larger_than_the_cache_is_an_error_not_a_hang(ckpt, workload, 
 
 
 def test_activation_needs_a_mid_flight_admission():
+    assert scheduler_activation_errors("continuous", {}, 10, 4)  # not the continuous scheduler at all
     assert scheduler_activation_errors("continuous", {"admissions_mid_flight": 0}, 10, 4)
+    assert scheduler_activation_errors("continuous", {"admissions_mid_flight": 0, "mid_flight_opportunities": 2}, 10, 4)
     assert not scheduler_activation_errors("continuous", {"admissions_mid_flight": 3}, 10, 4)
+    # every batch ended at once (equal lengths): nothing could join mid-flight, which is no failure
+    assert not scheduler_activation_errors("continuous", {"admissions_mid_flight": 0, "mid_flight_opportunities": 0}, 10, 4)
     bm = BlockManager(8, 4)
     assert isinstance(make_scheduler(RuntimeConfig(scheduler="continuous"), bm), ContinuousScheduler)
     with pytest.raises(MoebenchError, match="admission"):
