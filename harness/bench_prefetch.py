@@ -73,6 +73,22 @@ def _run(engine_cls, ckpt, prompts, runtime):
     return [c.output_ids for c in result.completions], seconds / tokens, result
 
 
+def _prompts(args, path: Path, ckpt) -> list[list[int]]:
+    """Real prompts where the model can read them (a trained model routes real text differently
+    from noise), else random ids."""
+    use_suite = args.prompts == "suite" or (args.prompts == "auto" and (path / "tokenizer.json").exists())
+    if use_suite:
+        from moebench.engine.loader import load_tokenizer
+        from moebench.suites import load_suite
+
+        tokenizer = load_tokenizer(path)
+        suite = load_suite("gsm-synth", None, args.batch)
+        return [tokenizer.encode(suite.prompt(item)).ids for item in suite.items[: args.batch]]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, ckpt.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+            for _ in range(args.batch)]
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -94,6 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kernel", default="naive")
+    ap.add_argument("--prompts", choices=("auto", "suite", "random"), default="auto",
+                    help="suite: the first --batch gsm-synth items (needs the model's tokenizer.json); random: "
+                         "random token ids; auto: suite when the model has a tokenizer")
     ap.add_argument("--readers", type=int, default=8, help="parallel readers of the disk tier (lookahead)")
     ap.add_argument("--lookahead-extra", type=int, default=0, help="experts predicted per token beyond top-k")
     ap.add_argument("--threads", type=int, default=1,
@@ -109,9 +128,7 @@ def main(argv=None) -> int:
         ckpt = load_checkpoint(path)
         print(f"model {path} ({ckpt.config.num_layers} layers, {ckpt.config.num_experts} experts top-"
               f"{ckpt.config.top_k}, {ckpt.checkpoint_dtype}) loaded in {time.perf_counter() - t0:.1f}s", flush=True)
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, ckpt.config.vocab_size, (args.prompt_len,), generator=g).tolist()
-                   for _ in range(args.batch)]
+        prompts = _prompts(args, path, ckpt)
         base = RuntimeConfig(kernel=args.kernel, batch_size=args.batch, max_new_tokens=args.new_tokens,
                              extra={"readers": args.readers, "lookahead_extra": args.lookahead_extra})
         tiers = [t for t in args.tiers.split(",") if t]
