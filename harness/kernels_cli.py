@@ -233,6 +233,15 @@ def run_bench(
         w13.uniform_(-(shape.hidden**-0.5), shape.hidden**-0.5)
         w2.uniform_(-(shape.inter**-0.5), shape.inter**-0.5)
         per_expert = shape.expert_bytes(itemsize)
+        # The first calls of a process are slow for a while (thread teams, allocator and MKL
+        # start-up: tens of ms each, even for tiny layers); one warm-up repeat does not cover it.
+        started = time.perf_counter()
+        while time.perf_counter() - started < 1.0:
+            weights, ids = _route(shape, 1, experts, device, gen)
+            x = torch.randn(1, shape.hidden, generator=gen).to(device=device, dtype=dtype)
+            kernels.moe_reference(x, weights, ids, w13, w2)
+            fused(x, weights, ids, w13, w2)
+            _sync(device)
         for n in tokens:
             # On CUDA `fused_moe` is the Triton kernel; on CPU the C++ (or grouped torch) path.
             paths = {"naive": kernels.moe_reference, "fused": fused}
