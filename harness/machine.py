@@ -69,6 +69,9 @@ def describe_machine(measure_bandwidth: bool = True) -> dict:
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # idle OpenMP threads spin or sleep by this policy; it changes small-op timings many-fold
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpu": gpu_name(),
         "memory_read_gb_s": round(measure_read_bandwidth_gb_s(), 2) if measure_bandwidth else None,
     }

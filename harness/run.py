@@ -240,7 +240,10 @@ def _load_model(path: Path, runtime):
 
         if not torch.cuda.is_available():
             raise MoebenchError("--device cuda: no CUDA device is available")
-    ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype)
+    # below a full budget the experts stay in the file's dtype; the store upcasts only those it holds
+    offloading = runtime.expert_budget not in (1, 1.0)
+    ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype,
+                           experts_in_checkpoint_dtype=offloading)
     return ckpt, load_tokenizer(path)
 
 
