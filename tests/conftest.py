@@ -14,3 +14,10 @@ def gsm8k_dir() -> Path:
     if not (path / "test.jsonl").is_file():
         pytest.skip(f"offline GSM8K data not found at {path}")
     return path
+
+
+def pytest_configure(config):
+    # The tests run tiny models: one thread avoids OpenMP hand-off stalls on a busy 2-core machine.
+    import torch
+
+    torch.set_num_threads(1)
