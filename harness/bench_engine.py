@@ -61,6 +61,7 @@ def bench_engine_command(
     layers: Optional[int] = typer.Option(None, "--layers", help="Override the random model's layer count (smaller = faster)."),
     kernel: str = typer.Option("naive", "--kernel", help="Engine MoE kernel to measure (naive = the baseline)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's choice)."),
+    hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
 ):
     """Measure decode tok/s of the engine and of transformers' generate() on one checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -77,10 +78,12 @@ def bench_engine_command(
             with console.status("writing a random Qwen3-MoE checkpoint"):
                 path = make_random_qwen3_moe(Path(tmp) / "model", **overrides)
         ckpt = load_checkpoint(path)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # transformers 5 runs experts through torch._grouped_mm by default; "eager" is its
+        # per-expert loop, the same algorithm as the engine's kernel=naive
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation=hf_experts).eval()
         g = torch.Generator().manual_seed(0)
         table = Table(title=f"decode tok/s, {ckpt.num_params / 1e9:.2f}B params, prompt {prompt_len}, {new_tokens} new tokens")
-        for col in ("batch", "transformers", f"engine ({kernel})", "ratio"):
+        for col in ("batch", f"transformers ({hf_experts})", f"engine ({kernel})", "ratio"):
             table.add_column(col, justify="right")
         for b in batch:
             prompts = torch.randint(1, ckpt.config.vocab_size, (b, prompt_len), generator=g).tolist()
