@@ -89,6 +89,7 @@ def waterfall(summary: dict, path: Path) -> Path | None:
                     va="bottom", fontsize=8)
         prev = v
     ax.set_xticks(range(len(chain)), [label for label, _ in chain])
+    ax.set_ylim(0, 1.12 * max(v for _, v in chain))  # room for the value labels under the title
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_title("Stacking the optimizations")
     return _save(fig, path)
