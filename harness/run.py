@@ -19,39 +19,17 @@ from typing import Optional
 import typer
 
 from moebench.ablation import SWITCHES, ConfigPoint, ablation_matrix, negative_control, point
+from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_json
 
 BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
-IMPLEMENTED = {"kernel": ("naive", "fused"), "scheduler": ("static", "continuous"), "prefetch": ("off", "lookahead")}
+# the engine's own lists of strategy names: one source of truth for what each switch accepts
+IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
 
 
 def bundled_model_path() -> Path:
     return BUNDLED_MODEL
-
-
-def _implemented_switches() -> tuple[str, ...]:
-    """Switches whose optimized strategy exists in this build (the matrix holds only those)."""
-    from moebench.engine.expert_store import make_store_and_prefetcher  # noqa: F401
-    import moebench.engine.scheduler as scheduler_module
-
-    available = []
-    try:
-        import moebench.kernels  # noqa: F401
-
-        if hasattr(moebench.kernels, "fused_moe"):
-            available.append("kernel")
-    except ImportError:
-        pass
-    if hasattr(scheduler_module, "ContinuousScheduler"):
-        available.append("scheduler")
-    try:
-        from moebench.engine import prefetch  # noqa: F401
-
-        available.append("prefetch")
-    except ImportError:
-        pass
-    return tuple(available)
 
 
 def _runtime_for(base, cfg: ConfigPoint):
@@ -164,7 +142,7 @@ def run_command(
         torch.set_num_threads(threads)
     budget = args["expert_budget"]
     if budget is None:
-        budget = "0.5" if (args["ablate"] and args["model"] is None and "prefetch" in _implemented_switches()) else "1.0"
+        budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
     base_runtime = RuntimeConfig(
         device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
         admission=args["admission"], expert_budget=_parse_budget(budget), offload_tier=args["offload_tier"],
@@ -223,15 +201,8 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if args[switch] not in IMPLEMENTED[switch]:
             raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
     if args["ablate"]:
-        available = _implemented_switches()
-        if not available:
-            raise MoebenchError("--ablate: no optimization is implemented in this build")
-        return ablation_matrix(available, factorial=args["factorial"])
-    chosen = point(args["kernel"], args["scheduler"], args["prefetch"])
-    missing = [s for s in SWITCHES if getattr(chosen, s) != IMPLEMENTED[s][0] and s not in _implemented_switches()]
-    if missing:
-        raise MoebenchError(f"--{missing[0]} {getattr(chosen, missing[0])}: not implemented yet in this build")
-    return [chosen]
+        return ablation_matrix(SWITCHES, factorial=args["factorial"])
+    return [point(args["kernel"], args["scheduler"], args["prefetch"])]
 
 
 def _load_model(path: Path, runtime):
