@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from moebench.engine import memory
 from moebench.errors import MoebenchError
 
 STEP_KEYS = ("expert_hits", "expert_misses", "prefetch_issued", "prefetch_hits", "bytes_loaded", "stall_s")
@@ -99,8 +100,8 @@ class _Pool:
     """One MoE layer's fast pool: S slots, which expert each holds, LRU order, loads in flight."""
 
     def __init__(self, slots: int, num_experts: int, inter: int, hidden: int, dtype, device):
-        self.w13 = torch.empty(slots, 2 * inter, hidden, dtype=dtype, device=device)
-        self.w2 = torch.empty(slots, hidden, inter, dtype=dtype, device=device)
+        self.w13 = memory.empty((slots, 2 * inter, hidden), dtype, device)
+        self.w2 = memory.empty((slots, hidden, inter), dtype, device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident or loading; least recent first
         self.free = list(range(slots - 1, -1, -1))
         self.loading: dict[int, Future] = {}
@@ -305,8 +306,8 @@ class PooledStore(ExpertStore):
         c.add("overflow_calls", 1)
         n = len(needed)
         if self._scratch is None or self._scratch[0].shape[0] < n:
-            self._scratch = (torch.empty(n, *pool.w13.shape[1:], dtype=pool.w13.dtype, device=pool.w13.device),
-                             torch.empty(n, *pool.w2.shape[1:], dtype=pool.w2.dtype, device=pool.w2.device))
+            self._scratch = (memory.empty((n, *pool.w13.shape[1:]), pool.w13.dtype, pool.w13.device),
+                             memory.empty((n, *pool.w2.shape[1:]), pool.w2.dtype, pool.w2.device))
         w13, w2 = self._scratch
         remap = torch.full((self.cfg.num_experts,), -1, dtype=torch.long)
         stall = 0.0

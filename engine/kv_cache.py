@@ -11,6 +11,8 @@ from collections import deque
 
 import torch
 
+from moebench.engine import memory
+
 
 class OutOfBlocks(Exception):
     """Not enough free blocks right now; the scheduler keeps the request waiting."""
@@ -82,8 +84,8 @@ class KVCache:
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [memory.empty(shape, dtype, device).zero_() for _ in range(num_layers)]
+        self.v = [memory.empty(shape, dtype, device).zero_() for _ in range(num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
 

@@ -14,6 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moebench.engine.config import ModelConfig, parse_model_config
+from moebench.engine import memory
+from moebench.engine.memory import to_huge_pages
 from moebench.errors import MoebenchError
 
 
@@ -181,14 +183,14 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
             layer.router = get(_router_name(cfg, i), E, H)
             fused_gate_up = f"{p}.mlp.experts.gate_up_proj"
             if fused_gate_up in index:  # transformers' in-memory fused layout, if a checkpoint was saved that way
-                layer.w13 = get(fused_gate_up, E, 2 * I, H)
-                layer.w2 = get(f"{p}.mlp.experts.down_proj", E, H, I)
+                layer.w13 = to_huge_pages(get(fused_gate_up, E, 2 * I, H))
+                layer.w2 = to_huge_pages(get(f"{p}.mlp.experts.down_proj", E, H, I))
             else:
                 raw = experts_in_checkpoint_dtype
                 e_device, e_dtype = ("cpu", index.get(_expert_names(cfg, i, 0)[0], (I, H)).dtype) if raw else (device, dtype)
                 expert = (lambda n, *shape: index.get(n, shape)) if raw else get
-                layer.w13 = torch.empty(E, 2 * I, H, device=e_device, dtype=e_dtype)
-                layer.w2 = torch.empty(E, H, I, device=e_device, dtype=e_dtype)
+                layer.w13 = memory.empty((E, 2 * I, H), e_dtype, e_device)
+                layer.w2 = memory.empty((E, H, I), e_dtype, e_device)
                 for e in range(E):
                     gate, up, down = _expert_names(cfg, i, e)
                     layer.w13[e, :I] = expert(gate, I, H)
@@ -202,12 +204,18 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
             layer.dense_w2 = get(f"{m}.down_proj.weight", H, D)
         layers.append(layer)
 
+    tied = lm_head is embed
+    embed = to_huge_pages(embed)
+    for layer in layers:
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor) and name not in ("w13", "w2"):  # experts: placed above
+                setattr(layer, name, to_huge_pages(value))
     return Checkpoint(
         path=directory,
         config=cfg,
         embed=embed,
         final_norm=get("model.norm.weight", H),
-        lm_head=lm_head,
+        lm_head=embed if tied else to_huge_pages(lm_head),
         layers=layers,
         checkpoint_dtype=_SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32),
         files=index.files(),

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from moebench.engine.memory import to_huge_pages
 from moebench.errors import MoebenchError
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -84,6 +85,8 @@ def _host_copy(ckpt, pin: bool) -> dict:
             w13, w2 = w.w13.to("cpu", dtype), w.w2.to("cpu", dtype)
             if pin:
                 w13, w2 = w13.pin_memory(), w2.pin_memory()
+            elif w13 is not w.w13:
+                w13, w2 = to_huge_pages(w13), to_huge_pages(w2)
             copy[i] = (w13, w2)
         _HOST_COPIES[key] = copy
         weakref.finalize(ckpt, _HOST_COPIES.pop, key, None)

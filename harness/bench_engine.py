@@ -62,11 +62,13 @@ def bench_engine_command(
     kernel: str = typer.Option("naive", "--kernel", help="Engine MoE kernel to measure (naive = the baseline)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's choice)."),
     hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
+    hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
 ):
     """Measure decode tok/s of the engine and of transformers' generate() on one checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from moebench.engine import Engine, RuntimeConfig, load_checkpoint
+    from moebench.engine.memory import to_huge_pages
 
     if threads:
         torch.set_num_threads(threads)
@@ -81,8 +83,13 @@ def bench_engine_command(
         # transformers 5 runs experts through torch._grouped_mm by default; "eager" is its
         # per-expert loop, the same algorithm as the engine's kernel=naive
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation=hf_experts).eval()
+        if hf_huge_pages:
+            for param in hf.parameters():
+                param.data = to_huge_pages(param.data)
         g = torch.Generator().manual_seed(0)
-        table = Table(title=f"decode tok/s, {ckpt.num_params / 1e9:.2f}B params, prompt {prompt_len}, {new_tokens} new tokens")
+        pages = "huge pages on both sides" if hf_huge_pages else "engine in huge pages, transformers in default pages"
+        table = Table(title=f"decode tok/s, {ckpt.num_params / 1e9:.2f}B params, prompt {prompt_len}, "
+                            f"{new_tokens} new tokens, {pages}")
         for col in ("batch", f"transformers ({hf_experts})", f"engine ({kernel})", "ratio"):
             table.add_column(col, justify="right")
         for b in batch:

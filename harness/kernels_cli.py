@@ -126,13 +126,16 @@ def _sync(device) -> None:
 
 
 class ReadBandwidth:
-    """GB/s of a torch sum over a 256 MB float32 tensor, sampled on demand."""
+    """GB/s of a torch sum over a 256 MB float32 tensor, sampled on demand. The buffer sits in the
+    same kind of pages as the weights (huge pages on the CPU, see engine/memory.py)."""
 
     def __init__(self, device, megabytes: int = 256):
         import torch
 
+        from moebench.engine import memory
+
         self.device = device
-        self.buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device)
+        self.buffer = memory.empty((megabytes * (1 << 20) // 4,), torch.float32, device).fill_(1.0)
         self.buffer.sum()
         self.samples: list[float] = []
 
@@ -196,6 +199,7 @@ def run_bench(
     import torch
 
     from moebench import kernels
+    from moebench.engine import memory
 
     device = torch.device(device_name)
     dtype = getattr(torch, dtype_name)
@@ -228,8 +232,9 @@ def run_bench(
             )
             info["notes"].append(note)
             log(note)
-        w13 = torch.empty(experts, 2 * shape.inter, shape.hidden, dtype=dtype, device=device)
-        w2 = torch.empty(experts, shape.hidden, shape.inter, dtype=dtype, device=device)
+        # placed as the engine's loader places them (huge pages on the CPU)
+        w13 = memory.empty((experts, 2 * shape.inter, shape.hidden), dtype, device)
+        w2 = memory.empty((experts, shape.hidden, shape.inter), dtype, device)
         w13.uniform_(-(shape.hidden**-0.5), shape.hidden**-0.5)
         w2.uniform_(-(shape.inter**-0.5), shape.inter**-0.5)
         per_expert = shape.expert_bytes(itemsize)

@@ -10,17 +10,30 @@ import time
 from pathlib import Path
 
 
-def measure_read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 3) -> float:
-    """Best of a few full reads of a buffer far larger than the caches (a `sum` streams it once)."""
+def measure_read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 3, huge_pages: bool = True) -> float:
+    """Best of a few full reads of a buffer far larger than the caches (a `sum` streams it once),
+    in huge pages as the engine places its weights, or in torch's default pages."""
     import torch
 
-    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    from moebench.engine import memory
+
+    numel = megabytes * 2**20 // 4
+    x = memory.empty((numel,), torch.float32) if huge_pages else torch.empty(numel, dtype=torch.float32)
+    x.fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - start)
     return x.numel() * 4 / best / 1e9
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
 
 
 def cpu_name() -> str:
@@ -74,4 +87,9 @@ def describe_machine(measure_bandwidth: bool = True) -> dict:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpu": gpu_name(),
         "memory_read_gb_s": round(measure_read_bandwidth_gb_s(), 2) if measure_bandwidth else None,
+        # the same read in 4 KiB pages: on VMs with costly page walks it is several times slower,
+        # which is why the engine keeps weights, KV cache and expert pools in huge pages
+        "memory_read_gb_s_small_pages": (round(measure_read_bandwidth_gb_s(huge_pages=False), 2)
+                                         if measure_bandwidth else None),
+        "transparent_huge_pages": _thp_mode(),
     }

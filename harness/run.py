@@ -227,6 +227,7 @@ def _default_run_id(ckpt, suite_name: str) -> str:
 
 
 def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
+    from moebench.engine.memory import huge_page_bytes
     from moebench.machine import describe_machine, git_commit, package_versions
 
     return {
@@ -244,6 +245,8 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
             "batch_size": runtime.batch_size, "max_new_tokens": runtime.max_new_tokens,
             "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
             "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
+            # evidence that weights and KV cache landed in huge pages (engine/memory.py)
+            "huge_page_bytes": huge_page_bytes(),
         },
         "repeats": args["repeats"],
         "warmup_items": args["warmup"],

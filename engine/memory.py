@@ -1,0 +1,78 @@
+"""Host memory placement: large CPU tensors live in transparent huge pages.
+
+Why: a decode step streams every routed expert's weights from DRAM, and on virtual machines
+of this project's kind a 4 KiB page costs a nested page walk. Measured here (one thread,
+`sum` over the buffer): 21 GB/s over 32 MB but 1.1 GB/s over 512 MB in 4 KiB pages, against
+12.6 GB/s over the same 512 MB in 2 MiB pages. A 1-token expert matmul ([1,1024] x 768 KiB
+weights, 128 experts cycled) took 3.9 ms in 4 KiB pages and 0.34 ms in huge pages. On a
+machine whose page walks are cheap the placement costs nothing.
+
+The buffer is an anonymous mapping advised MADV_HUGEPAGE before any page is touched (the
+kernel then backs it with 2 MiB pages at first write, with `enabled` set to madvise or
+always), aligned to 2 MiB inside a slightly larger mapping. `huge_page_bytes()` reads back
+how much of the process really sits in huge pages: the manifest records it as evidence.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 * 1024 * 1024
+MIN_BYTES = HUGE_PAGE  # smaller tensors stay where torch put them
+
+
+def huge_pages_supported() -> bool:
+    if os.environ.get("MOEBENCH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def huge_page_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor backed by an anonymous mapping advised to use huge pages."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < MIN_BYTES or not huge_pages_supported():
+        return torch.empty(shape, dtype=dtype)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    offset = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a large CPU tensor in huge pages (the tensor itself when that does not apply)."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not huge_pages_supported():
+        return t
+    out = huge_page_empty(t.shape, t.dtype)
+    out.copy_(t)
+    return out
+
+
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's anonymous memory that sit in huge pages (None off Linux)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return 0
+
+
+def empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """`torch.empty`, in huge pages when on the CPU and large enough."""
+    if torch.device(device).type == "cpu":
+        return huge_page_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
