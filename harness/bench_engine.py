@@ -17,20 +17,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moebench.random_models import make_random_qwen3_moe
+
 DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
                      intermediate_size=2048, vocab_size=32000)
-
-
-def make_random_qwen3_moe(directory: Path, seed: int = 0, **overrides) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    shape = {**DEFAULT_SHAPE, **overrides}
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(**shape, norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=None,
-                            pad_token_id=0, max_position_embeddings=4096)
-    Qwen3MoeForCausalLM(config).eval().save_pretrained(directory)
-    return directory
 
 
 def _time_engine(engine, prompts, new_tokens: int) -> float:
@@ -78,7 +69,7 @@ def bench_engine_command(
         if path is None:
             overrides = {"num_hidden_layers": layers} if layers else {}
             with console.status("writing a random Qwen3-MoE checkpoint"):
-                path = make_random_qwen3_moe(Path(tmp) / "model", **overrides)
+                path = make_random_qwen3_moe(Path(tmp) / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0)
         ckpt = load_checkpoint(path)
         # transformers 5 runs experts through torch._grouped_mm by default; "eager" is its
         # per-expert loop, the same algorithm as the engine's kernel=naive

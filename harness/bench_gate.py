@@ -52,6 +52,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moebench.random_models import make_random_qwen3_moe
+
 SCHEMA = "moebench.bench_gate/1"
 SCENARIOS = ("aa", "slowdown")
 RULES = ("regression", "noninferiority")
@@ -66,38 +68,9 @@ console = Console(stderr=True)
 
 # ---------------------------------------------------------------- model and suite
 
-def write_char_tokenizer(directory: Path, vocab_size: int = 211) -> Path:
-    """A WordLevel tokenizer over single characters ("</s>" = id 1, the EOS)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<unk>": 0, "</s>": 1}
-    for ch in chars:
-        vocab[ch] = len(vocab)
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<extra_{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["</s>"])
-    tok.save(str(directory / "tokenizer.json"))
-    return directory
-
-
-def make_random_model(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A random qwen3_moe checkpoint written by transformers, plus a character tokenizer."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    shape = {**RANDOM_SHAPE, **overrides}
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(**shape, norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=None,
-                            pad_token_id=None, bos_token_id=None, max_position_embeddings=4096,
-                            initializer_range=0.15)
-    directory.mkdir(parents=True, exist_ok=True)
-    Qwen3MoeForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
-    write_char_tokenizer(directory, shape["vocab_size"])
-    return directory
+def make_random_model(directory: Path, seed: int = 0) -> Path:
+    """A random qwen3_moe of the bundled model's shape, plus a character tokenizer."""
+    return make_random_qwen3_moe(directory, RANDOM_SHAPE, seed=seed, char_tokenizer=True, initializer_range=0.15)
 
 
 def _default_gsm8k_dir() -> Path | None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from moebench.random_models import write_char_tokenizer  # noqa: F401  (re-exported for tests)
+
 FAMILIES = {
     # name: (family, overrides) — odd shapes on purpose: experts not a power of two,
     # head_dim != hidden / heads, top-k 1, 2 and 4, with and without top-k renormalisation.
@@ -38,22 +40,4 @@ def make_tiny_checkpoint(directory: Path, name: str = "qwen3_e6_k2_norm", seed: 
     model = model.to(dtype).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    return directory
-
-
-def write_char_tokenizer(directory: Path, vocab_size: int = 211) -> Path:
-    """A WordLevel tokenizer over single characters, enough to run text through the engine."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<unk>": 0, "</s>": 1}
-    for ch in chars:
-        vocab[ch] = len(vocab)
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<extra_{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["</s>"])
-    tok.save(str(directory / "tokenizer.json"))
     return directory
