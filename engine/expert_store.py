@@ -99,9 +99,10 @@ class ResidentStore(ExpertStore):
 class _Pool:
     """One MoE layer's fast pool: S slots, which expert each holds, LRU order, loads in flight."""
 
-    def __init__(self, slots: int, num_experts: int, inter: int, hidden: int, dtype, device):
-        self.w13 = memory.empty((slots, 2 * inter, hidden), dtype, device)
-        self.w2 = memory.empty((slots, hidden, inter), dtype, device)
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, first_row: int, num_experts: int):
+        self.w13, self.w2 = w13, w2  # [S, ...] views of the store's buffer
+        self.first_row = first_row  # row of slot 0 in that buffer
+        slots = w13.shape[0]
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident or loading; least recent first
         self.free = list(range(slots - 1, -1, -1))
         self.loading: dict[int, Future] = {}
@@ -112,8 +113,32 @@ class _Pool:
         self.predicted: set[int] | None = None  # what the prefetcher predicted for the next call
 
 
+class _Stage:
+    """Rows for the experts one call needs beyond its layer's pool, when its working set is larger than
+    the pool (a batch of 16 at top-2 of 16 experts touches ~14 of them; a prefill touches all).
+
+    The rows are transient: filled for one call of one layer (by that layer's prefetch, then by the
+    call's own misses) and never read again after it. E - S rows always suffice: a stage only holds
+    experts that are not in the layer's pool, and one is added only while the pool is full."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, first_row: int):
+        self.w13, self.w2 = w13, w2
+        self.first_row = first_row
+        self.layer: int | None = None  # the layer whose next call the rows are filled for
+        self.row_of: dict[int, int] = {}
+        self.free = list(range(w13.shape[0] - 1, -1, -1))
+        self.loading: dict[int, Future] = {}
+        self.prefetched: set[int] = set()
+
+
 class PooledStore(ExpertStore):
-    """A budgeted fast pool per MoE layer in front of a slow tier."""
+    """A budgeted fast pool per MoE layer in front of a slow tier.
+
+    All pools and the stages live in one buffer per weight ([pool of MoE layer 0 | pool of layer 1 |
+    ... | stage 0 | stage 1]), so a call whose experts sit partly in its pool and partly in a stage is
+    served by one view from its pool to the stage: nothing resident is ever copied. With a
+    prefetcher there are two stages, alternating between consecutive MoE layers, so layer L+1's
+    stage fills while layer L's kernel reads its own."""
 
     def __init__(self, ckpt, runtime, tier, slots: int, workers: int = 0, parallel_demand: bool = False):
         cfg = ckpt.config
@@ -123,11 +148,17 @@ class PooledStore(ExpertStore):
         self.cuda = runtime.device == "cuda"
         dtype = runtime.torch_dtype
         self.expert_pool_bytes = cfg.expert_param_count * torch.empty(0, dtype=dtype).element_size()
+        moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        stages = 2 if workers else 1
+        stage_rows = cfg.num_experts - slots
+        rows = len(moe) * slots + stages * stage_rows
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        self.w13 = memory.empty((rows, 2 * inter, hidden), dtype, runtime.device)
+        self.w2 = memory.empty((rows, hidden, inter), dtype, runtime.device)
         self.pools: dict[int, _Pool] = {}
-        for i in range(cfg.num_layers):
-            if not cfg.is_moe_layer(i):
-                continue
-            pool = _Pool(slots, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, dtype, runtime.device)
+        for p, i in enumerate(moe):
+            lo = p * slots
+            pool = _Pool(self.w13[lo : lo + slots], self.w2[lo : lo + slots], lo, cfg.num_experts)
             # Start warm, as a server would: the first S experts of each layer, not counted as loads.
             w = ckpt.layers[i]
             for e in range(slots):
@@ -140,6 +171,12 @@ class PooledStore(ExpertStore):
                 pool.slot_of[e] = s
                 pool.table[e] = s
             self.pools[i] = pool
+        self.stages = []
+        for k in range(stages):
+            lo = len(moe) * slots + k * stage_rows
+            self.stages.append(_Stage(self.w13[lo : lo + stage_rows], self.w2[lo : lo + stage_rows], lo))
+        self.stage_of = {i: self.stages[p % stages] for p, i in enumerate(moe)}
+        self.staging_bytes = stages * stage_rows * self.expert_pool_bytes
         self.workers = workers
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-prefetch") if workers else None
         # Demand loads get readers of their own: queued behind prefetches already running (some of
@@ -149,14 +186,13 @@ class PooledStore(ExpertStore):
         self.side_stream = torch.cuda.Stream() if self.cuda and workers else None
         self.pending: tuple[int, list[int]] | None = None
         self.counters = _Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
-                                   "predicted", "needed_predicted", "predicted_needed"))
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+                                   "predicted", "needed_predicted", "predicted_needed", "staged"))
 
     # ------------------------------------------------------------------ loading
 
     def _load_many(self, layer: int, items, after=None):
-        """Runs in a worker thread: copy experts into their slots; on CUDA on the side stream, after
-        the slots' previous readers, returning the event the compute stream must wait for."""
+        """Runs in a worker thread: copy experts into their rows; on CUDA on the side stream, after
+        the rows' previous readers, returning the event the compute stream must wait for."""
         if self.side_stream is None:
             self.tier.load_many(layer, items)
             return None
@@ -167,20 +203,19 @@ class PooledStore(ExpertStore):
             done.record(self.side_stream)
         return done
 
-    def _submit(self, layer: int, loads: list[tuple[int, int]], executor) -> list[Future]:
-        """Queue (expert, slot) loads as at most one job per worker, each load with its own future.
-        One wake-up per worker, not per expert: on a busy CPU every hand-over of the GIL to a
+    def _submit(self, layer: int, loads: list[tuple[int, torch.Tensor, torch.Tensor]], executor) -> list[Future]:
+        """Queue (expert, w13_dst, w2_dst) loads as at most one job per worker, each load with its own
+        future. One wake-up per worker, not per expert: on a busy CPU every hand-over of the GIL to a
         freshly woken thread costs a scheduler slice. A load whose future was cancelled before its
         turn is skipped."""
-        pool = self.pools[layer]
         after = None
         if self.side_stream is not None:
             after = torch.cuda.Event()
             after.record()
         futs = [Future() for _ in loads]
         jobs = [[] for _ in range(min(len(loads), self.workers))]
-        for i, ((expert, slot), fut) in enumerate(zip(loads, futs)):
-            jobs[i % len(jobs)].append((fut, expert, pool.w13[slot], pool.w2[slot]))
+        for i, (load, fut) in enumerate(zip(loads, futs)):
+            jobs[i % len(jobs)].append((fut, *load))
         for job in jobs:
             executor.submit(self._run_job, layer, job, after)
         return futs
@@ -207,6 +242,24 @@ class PooledStore(ExpertStore):
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
 
+    def _wait(self, fut: Future | None) -> float:
+        """Wait for a load if there is one; -> seconds waited (stall)."""
+        if fut is None:
+            return 0.0
+        if not fut.done():
+            self.counters.add("late_hits", 1)
+        t0 = time.perf_counter()
+        self._finish(fut)
+        return time.perf_counter() - t0
+
+    def _cancel(self, fut: Future) -> bool:
+        """Cancel a load that has not started: it read nothing and wrote nothing."""
+        if not fut.cancel():
+            return False
+        self.counters.add("bytes_loaded", -self.tier.expert_bytes)  # counted when issued, never read
+        self.counters.add("cancelled", 1)
+        return True
+
     def _evict(self, pool: _Pool, expert: int) -> int:
         slot = pool.slot_of.pop(expert)
         pool.table[expert] = -1
@@ -214,9 +267,9 @@ class PooledStore(ExpertStore):
         self.counters.add("evictions", 1)
         return slot
 
-    def _claim(self, pool: _Pool, expert: int, protect: set[int], wait: bool) -> int | None:
+    def _claim(self, pool: _Pool, expert: int, protect: set[int]) -> int | None:
         """A slot for `expert`: a free one, else the least recently used expert outside `protect`
-        whose slot is not being written. With `wait`, an in-flight load may be waited out."""
+        whose slot is not being written; None when there is none (the caller uses a stage row)."""
         if pool.free:
             slot = pool.free.pop()
         else:
@@ -232,150 +285,164 @@ class PooledStore(ExpertStore):
                 victim = x
                 break
             if victim is None:
-                if not wait:
-                    return None
-                # Every candidate is a load in flight: wait out the oldest. One exists because the
-                # pool holds at least as many slots as this call needs experts.
-                victim = next(x for x in pool.slot_of if x not in protect)
-                t0 = time.perf_counter()
-                self._finish(pool.loading.pop(victim))
-                self.counters.add("stall_s", time.perf_counter() - t0)
+                return None
             slot = self._evict(pool, victim)
         pool.slot_of[expert] = slot
         pool.table[expert] = slot
         return slot
 
+    def _stage_row(self, stage: _Stage, expert: int) -> int:
+        if not stage.free:  # cannot happen (see _Stage); a clear error beats reading another expert
+            raise RuntimeError(f"expert stage full ({len(stage.row_of)} rows) placing expert {expert}")
+        row = stage.free.pop()
+        stage.row_of[expert] = row
+        self.counters.add("staged", 1)
+        return row
+
+    def _reset_stage(self, stage: _Stage, layer: int | None) -> None:
+        """Give the stage to `layer`'s next call. Loads still in flight into it (prefetches another
+        call did not need) are cancelled or waited out: their rows are about to be rewritten."""
+        for fut in stage.loading.values():
+            if not self._cancel(fut):
+                self._finish(fut)
+        stage.layer = layer
+        stage.row_of.clear()
+        stage.loading.clear()
+        stage.prefetched.clear()
+        stage.free = list(range(stage.w13.shape[0] - 1, -1, -1))
+
     # ------------------------------------------------------------------ the MoE block's call
 
     def fetch(self, layer, topk_ids):
-        pool = self.pools[layer]
+        pool, stage = self.pools[layer], self.stage_of[layer]
         needed = torch.unique(topk_ids).tolist()
         need = set(needed)
         c = self.counters
         c.add("lookups", len(needed))
-        self._score_prediction(pool, need)
-        self._drop_unneeded_loads(pool, need)
-        c.add("prefetch_hits", len(need & pool.prefetched))
-        pool.prefetched.clear()
         if len(needed) > self.slots:
-            out = self._fetch_overflow(layer, pool, topk_ids, needed)
-        else:
-            out = self._fetch_pooled(layer, pool, topk_ids, needed, need)
-        self._issue_pending()
-        return out
-
-    def _fetch_pooled(self, layer, pool, topk_ids, needed, need):
-        c = self.counters
-        misses = []
+            c.add("overflow_calls", 1)
+        self._score_prediction(pool, need)
+        if stage.layer != layer:  # nothing staged for this call: the rows are free for its misses
+            self._reset_stage(stage, layer)
+        self._drop_unneeded_loads(pool, stage, need)
+        c.add("prefetch_hits", len(need & pool.prefetched) + len(need & stage.prefetched))
+        pool.prefetched.clear()
         stall = 0.0
+        misses = []
         for e in needed:
             if e in pool.slot_of:
                 c.add("expert_hits", 1)
                 pool.slot_of.move_to_end(e)
-                fut = pool.loading.pop(e, None)
-                if fut is not None:
-                    if not fut.done():
-                        c.add("late_hits", 1)
-                    t0 = time.perf_counter()
-                    self._finish(fut)
-                    stall += time.perf_counter() - t0
+                stall += self._wait(pool.loading.pop(e, None))
+            elif e in stage.row_of:
+                c.add("expert_hits", 1)
+                stall += self._wait(stage.loading.pop(e, None))
             else:
                 misses.append(e)
         if misses:
-            c.add("expert_misses", len(misses))
-            c.add("bytes_loaded", len(misses) * self.tier.expert_bytes)
-            slots = [self._claim(pool, e, need, wait=True) for e in misses]
-            t0 = time.perf_counter()
-            if self.demand_executor is not None and len(misses) > 1:
-                futs = self._submit(layer, list(zip(misses, slots)), self.demand_executor)
-                for f in futs:
-                    self._finish(f)
-            else:  # the baseline: one at a time, on the critical path (the compute stream on CUDA)
-                for e, s in zip(misses, slots):
-                    self.tier.load(layer, e, pool.w13[s], pool.w2[s])
-            stall += time.perf_counter() - t0
+            stall += self._load_misses(layer, pool, stage, misses, need)
         c.add("stall_s", stall)
-        table = torch.tensor(pool.table, dtype=torch.long)
-        ids = table[topk_ids.cpu()].to(topk_ids.device) if self.cuda else table[topk_ids]
-        return pool.w13, pool.w2, ids
+        out = self._weights(pool, stage, topk_ids)
+        stage.layer = None  # consumed: what this call staged is not kept for a later one
+        self._issue_pending(layer)
+        return out
 
-    def _fetch_overflow(self, layer, pool, topk_ids, needed):
-        """A call needs more distinct experts than the pool has slots (a long prefill): serve it from a
-        transient scratch buffer holding exactly those experts; the pool itself is left as it is."""
+    def _load_misses(self, layer, pool, stage, misses, need) -> float:
+        """Load the call's missing experts on demand into LRU slots, or stage rows once no slot is
+        free of this call's experts and of loads in flight. -> seconds spent."""
         c = self.counters
-        c.add("overflow_calls", 1)
-        n = len(needed)
-        if self._scratch is None or self._scratch[0].shape[0] < n:
-            self._scratch = (memory.empty((n, *pool.w13.shape[1:]), pool.w13.dtype, pool.w13.device),
-                             memory.empty((n, *pool.w2.shape[1:]), pool.w2.dtype, pool.w2.device))
-        w13, w2 = self._scratch
-        remap = torch.full((self.cfg.num_experts,), -1, dtype=torch.long)
-        stall = 0.0
-        for i, e in enumerate(needed):
-            remap[e] = i
-            t0 = time.perf_counter()
-            if e in pool.slot_of:
-                c.add("expert_hits", 1)
-                pool.slot_of.move_to_end(e)
-                fut = pool.loading.pop(e, None)
-                if fut is not None:
-                    self._finish(fut)
-                    stall += time.perf_counter() - t0
-                s = pool.slot_of[e]
-                w13[i].copy_(pool.w13[s])
-                w2[i].copy_(pool.w2[s])
+        c.add("expert_misses", len(misses))
+        c.add("bytes_loaded", len(misses) * self.tier.expert_bytes)
+        loads = []
+        for e in misses:
+            slot = self._claim(pool, e, need)
+            if slot is not None:
+                loads.append((e, pool.w13[slot], pool.w2[slot]))
             else:
-                c.add("expert_misses", 1)
-                c.add("bytes_loaded", self.tier.expert_bytes)
-                self.tier.load(layer, e, w13[i], w2[i])
-                stall += time.perf_counter() - t0
-        c.add("stall_s", stall)
-        ids = remap[topk_ids.cpu()].to(topk_ids.device)
-        return w13[:n], w2[:n], ids
+                row = self._stage_row(stage, e)
+                loads.append((e, stage.w13[row], stage.w2[row]))
+        t0 = time.perf_counter()
+        if self.demand_executor is not None and len(loads) > 1:
+            for f in self._submit(layer, loads, self.demand_executor):
+                self._finish(f)
+        else:  # the baseline: one at a time, on the critical path (the compute stream on CUDA)
+            for e, w13, w2 in loads:
+                self.tier.load(layer, e, w13, w2)
+        return time.perf_counter() - t0
 
-    def _drop_unneeded_loads(self, pool: _Pool, need: set[int]) -> None:
+    def _weights(self, pool: _Pool, stage: _Stage, topk_ids):
+        """The buffer view from the pool's first slot (to the stage's last row if the call uses it)
+        and topk_ids rewritten to rows of that view."""
+        table = pool.table
+        end = pool.first_row + self.slots
+        if stage.row_of:
+            table = list(table)
+            offset = stage.first_row - pool.first_row
+            for e, row in stage.row_of.items():
+                table[e] = offset + row
+            end = stage.first_row + stage.w13.shape[0]
+        table = torch.tensor(table, dtype=torch.long)
+        ids = table[topk_ids.cpu()].to(topk_ids.device) if self.cuda else table[topk_ids]
+        return self.w13[pool.first_row : end], self.w2[pool.first_row : end], ids
+
+    def _drop_unneeded_loads(self, pool: _Pool, stage: _Stage, need: set[int]) -> None:
         """Prefetches for this call that turned out wrong and have not started yet cost nothing:
-        cancel them and give their slots back."""
+        cancel them and give their slots and rows back."""
         for e in [e for e in pool.loading if e not in need]:
-            if pool.loading[e].cancel():
+            if self._cancel(pool.loading[e]):
                 del pool.loading[e]
                 pool.free.append(self._evict(pool, e))
                 self.counters.add("evictions", -1)  # never held an expert
-                self.counters.add("bytes_loaded", -self.tier.expert_bytes)  # counted when issued, never read
-                self.counters.add("cancelled", 1)
+        for e in [e for e in stage.loading if e not in need]:
+            if self._cancel(stage.loading[e]):
+                del stage.loading[e]
+                stage.prefetched.discard(e)
+                stage.free.append(stage.row_of.pop(e))
 
     # ------------------------------------------------------------------ prefetch
 
     def plan_prefetch(self, layer: int, experts: list[int]) -> None:
-        """Prefetch `experts` (most wanted first) into `layer`'s pool once the current call's own
+        """Prefetch `experts` (most wanted first) for `layer`'s next call once the current call's own
         experts are in place; the plan is issued at the end of the next `fetch`."""
         self.pending = (layer, experts)
 
-    def _issue_pending(self) -> None:
+    def _issue_pending(self, current: int) -> None:
+        """Issue the plan: predicted residents become most recently used; missing ones go to LRU slots
+        of experts not predicted, and once none is free (the prediction is larger than the pool) to
+        the layer's stage. Never into the pool or stage the current call is about to compute with."""
         if self.pending is None or self.executor is None:
             return
         layer, experts = self.pending
         self.pending = None
-        pool = self.pools[layer]
-        experts = experts[: self.slots]
-        pool.predicted = set(experts)
-        keep = pool.predicted
+        if layer == current:
+            return
+        pool, stage = self.pools[layer], self.stage_of[layer]
+        can_stage = stage is not self.stage_of[current]
+        if can_stage and stage.layer != layer:
+            self._reset_stage(stage, layer)
+        pool.predicted = keep = set(experts)
         for e in reversed(experts):  # predicted residents become the most recently used
             if e in pool.slot_of:
                 pool.slot_of.move_to_end(e)
-        loads = []
+        loads, targets = [], []
         for e in experts:
-            if e in pool.slot_of:
+            if e in pool.slot_of or e in stage.row_of:
                 continue
-            slot = self._claim(pool, e, keep, wait=False)
-            if slot is None:
+            slot = self._claim(pool, e, keep)
+            if slot is not None:
+                loads.append((e, pool.w13[slot], pool.w2[slot]))
+                targets.append(pool)
+            elif can_stage:
+                row = self._stage_row(stage, e)
+                loads.append((e, stage.w13[row], stage.w2[row]))
+                targets.append(stage)
+            else:
                 break
-            loads.append((e, slot))
         if not loads:
             return
-        for (e, _), fut in zip(loads, self._submit(layer, loads, self.executor)):
-            pool.loading[e] = fut
-            pool.prefetched.add(e)
+        for (e, _, _), where, fut in zip(loads, targets, self._submit(layer, loads, self.executor)):
+            where.loading[e] = fut
+            where.prefetched.add(e)
         self.counters.add("prefetch_issued", len(loads))
         self.counters.add("bytes_loaded", len(loads) * self.tier.expert_bytes)
 
@@ -403,6 +470,7 @@ class PooledStore(ExpertStore):
             "slots_per_layer": self.slots,
             "num_experts": self.cfg.num_experts,
             "fast_pool_bytes": self.slots * len(self.pools) * self.expert_pool_bytes,
+            "staging_bytes": self.staging_bytes,
             **self.tier.evidence(),
             "load_workers": self.workers,
             "lookups": lookups,
@@ -425,6 +493,7 @@ class PooledStore(ExpertStore):
             "stall_s": t["stall_s"],
             "evictions": t["evictions"],
             "overflow_calls": t["overflow_calls"],
+            "staged_loads": t["staged"],
         }
 
     def close(self):

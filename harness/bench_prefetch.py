@@ -20,7 +20,7 @@ Default model: the bundled gsm-synth MoE if present, else a random qwen3_moe (hi
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 import time
@@ -54,6 +54,8 @@ def random_checkpoint(directory: Path, seed: int = 0) -> Path:
 
 def _configs(budget, tiers):
     yield "resident", dict(expert_budget=1.0, prefetch="off")
+    # With every expert resident the prefetcher must cost (almost) nothing: measured, not assumed.
+    yield "resident/lookahead", dict(expert_budget=1.0, prefetch="lookahead")
     for tier in tiers:
         for prefetch in ("off", "lookahead"):
             yield f"{tier}/{prefetch}", dict(expert_budget=budget, offload_tier=tier, prefetch=prefetch)
@@ -69,11 +71,12 @@ def _run(engine_cls, ckpt, prompts, runtime):
     seconds = sum(s["duration_s"] for s in decode)
     hits, misses = (sum(s.get(k, 0) for s in decode) for k in ("expert_hits", "expert_misses"))
     result.decode_stats = {"stall_ms_per_token": 1e3 * sum(s.get("stall_s", 0.0) for s in decode) / tokens,
-                           "decode_hit_rate": hits / (hits + misses) if hits + misses else None}
+                           "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
+                           "decode_bytes_loaded": sum(s.get("bytes_loaded", 0) for s in decode)}
     return [c.output_ids for c in result.completions], seconds / tokens, result
 
 
-def _prompts(args, path: Path, ckpt) -> list[list[int]]:
+def _prompts(args, batch: int, path: Path, ckpt) -> list[list[int]]:
     """Real prompts where the model can read them (a trained model routes real text differently
     from noise), else random ids."""
     use_suite = args.prompts == "suite" or (args.prompts == "auto" and (path / "tokenizer.json").exists())
@@ -82,15 +85,61 @@ def _prompts(args, path: Path, ckpt) -> list[list[int]]:
         from moebench.suites import load_suite
 
         tokenizer = load_tokenizer(path)
-        suite = load_suite("gsm-synth", None, args.batch)
-        return [tokenizer.encode(suite.prompt(item)).ids for item in suite.items[: args.batch]]
+        suite = load_suite("gsm-synth", None, batch)
+        return [tokenizer.encode(suite.prompt(item)).ids for item in suite.items[:batch]]
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, ckpt.config.vocab_size, (args.prompt_len,), generator=g).tolist()
-            for _ in range(args.batch)]
+            for _ in range(batch)]
 
 
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
+
+
+def _median_ratio(num: list[float], den: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stalls: dict, evidence: dict) -> dict:
+    """Print one batch size's table and ratios; return them for --json."""
+    out = {"configs": {}, "tiers": {}}
+    print(f"\nbatch {batch}: median decode time per token")
+    print(f"{'config':19s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
+          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s} {'loaded MB':>9s}")
+    for name in names:
+        t = statistics.median(times[name])
+        ev = evidence[name]
+        row = {"ms_per_token": t * 1e3, "tokens_per_s": 1 / t,
+               "ms_per_token_trials": [x * 1e3 for x in times[name]],
+               **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
+                                         "prediction_precision", "prediction_recall", "stall_s", "read_mode",
+                                         "decode_hit_rate", "decode_bytes_loaded", "bytes_loaded")},
+               "decode_stall_ms_per_token": statistics.median(stalls[name])}
+        out["configs"][name] = row
+        print(f"{name:19s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
+              f"{_fmt(ev.get('prefetch_hits'), '4d')}/{_fmt(ev.get('prefetch_issued'), '<4d')} "
+              f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
+              f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('decode_hit_rate'), '10.1%')} "
+              f"{statistics.median(stalls[name]):12.2f} {ev.get('decode_bytes_loaded', 0) / 1e6:9.2f}")
+    cost = _median_ratio(times["resident/lookahead"], times["resident"]) - 1
+    out["budget_1_lookahead_cost"] = cost
+    print(f"budget 1.0: lookahead costs {cost:+.1%} decode time vs off (median of paired repeats); "
+          f"bytes loaded in decode: {evidence['resident/lookahead'].get('decode_bytes_loaded', 0)}")
+    for tier in tiers:
+        res, off, la = times["resident"], times[f"{tier}/off"], times[f"{tier}/lookahead"]
+        shares = [(o - a) / (o - r) if o > r else float("nan") for r, o, a in zip(res, off, la)]
+        share = statistics.median(shares)
+        mr, mo, ml = (statistics.median(x) for x in (res, off, la))
+        of_medians = (mo - ml) / (mo - mr) if mo > mr else float("nan")
+        speedup = _median_ratio(off, la)
+        out["tiers"][tier] = {"hidden_share": share, "hidden_share_trials": shares, "hidden_share_of_medians": of_medians,
+                              "speedup_vs_off": speedup, "off_vs_resident": _median_ratio(off, res),
+                              "prediction_recall": evidence[f"{tier}/lookahead"].get("prediction_recall")}
+        print(f"{tier}: lookahead {speedup:.2f}x decode vs off (off is {_median_ratio(off, res):.2f}x resident's time), "
+              f"hides {share:.1%} of the offload penalty (paired repeats: {', '.join(f'{s:.0%}' for s in shares)}; "
+              f"from the median times: {of_medians:.1%}); prediction recall "
+              f"{_fmt(evidence[f'{tier}/lookahead'].get('prediction_recall'), '.1%')}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -105,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "moebench" / "bench-qwen3moe-h512-l8-e64k8-init0.15")
     ap.add_argument("--budget", default="0.5")
     ap.add_argument("--tiers", default="host,disk")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", default="1,16", help="batch sizes, comma-separated (each measured in the same run)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -121,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    batches = [int(b) for b in str(args.batch).split(",") if b]
 
     try:
         path = args.model or (bundled_model_path() if bundled_model_path().exists() else random_checkpoint(args.workdir))
@@ -128,70 +178,46 @@ def main(argv=None) -> int:
         ckpt = load_checkpoint(path)
         print(f"model {path} ({ckpt.config.num_layers} layers, {ckpt.config.num_experts} experts top-"
               f"{ckpt.config.top_k}, {ckpt.checkpoint_dtype}) loaded in {time.perf_counter() - t0:.1f}s", flush=True)
-        prompts = _prompts(args, path, ckpt)
-        base = RuntimeConfig(kernel=args.kernel, batch_size=args.batch, max_new_tokens=args.new_tokens,
-                             extra={"readers": args.readers, "lookahead_extra": args.lookahead_extra})
         tiers = [t for t in args.tiers.split(",") if t]
-        configs = [(name, replace(base, **kw)) for name, kw in _configs(args.budget, tiers)]
+        names = [name for name, _ in _configs(args.budget, tiers)]
+        runs = []  # (batch, name, prompts, runtime): one trial of each per repeat, interleaved
+        for b in batches:
+            prompts = _prompts(args, b, path, ckpt)
+            base = RuntimeConfig(kernel=args.kernel, batch_size=b, max_new_tokens=args.new_tokens,
+                                 extra={"readers": args.readers, "lookahead_extra": args.lookahead_extra})
+            runs += [(b, name, prompts, replace(base, **kw)) for name, kw in _configs(args.budget, tiers)]
 
-        for name, rt in configs:  # warm-up: caches, lazy inits, the disk tier's first opens
+        for _, _, prompts, rt in runs:  # warm-up: caches, lazy inits, the disk tier's first opens
             _run(Engine, ckpt, prompts, replace(rt, max_new_tokens=2))
-        times = {name: [] for name, _ in configs}
-        stalls = {name: [] for name, _ in configs}
-        evidence = {}
-        reference = None
+        times = {(b, n): [] for b, n, _, _ in runs}
+        stalls = {(b, n): [] for b, n, _, _ in runs}
+        evidence, reference = {}, {}
         for rep in range(args.repeats):
-            for name, rt in configs:
+            for b, name, prompts, rt in runs:
                 out, per_token, result = _run(Engine, ckpt, prompts, rt)
-                if reference is None:
-                    reference = out
-                if out != reference:
-                    raise MoebenchError(f"{name}: output differs from the resident store's (offloading must be exact)")
+                reference.setdefault(b, out)
+                if out != reference[b]:
+                    raise MoebenchError(f"batch {b} {name}: output differs from the resident store's "
+                                        "(offloading must be exact)")
                 if result.activation_errors:
-                    raise MoebenchError(f"{name}: {'; '.join(result.activation_errors)}")
-                times[name].append(per_token)
-                stalls[name].append(result.decode_stats["stall_ms_per_token"])
-                evidence[name] = {**result.evidence["prefetch"], **result.decode_stats}
-                print(f"  repeat {rep} {name:16s} {per_token * 1e3:8.2f} ms/token", flush=True)
+                    raise MoebenchError(f"batch {b} {name}: {'; '.join(result.activation_errors)}")
+                times[b, name].append(per_token)
+                stalls[b, name].append(result.decode_stats["stall_ms_per_token"])
+                evidence[b, name] = {**result.evidence["prefetch"], **result.decode_stats}
+                print(f"  repeat {rep} batch {b:3d} {name:19s} {per_token * 1e3:8.2f} ms/token", flush=True)
     except MoebenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    report = {"model": str(path), "budget": args.budget, "batch": args.batch, "new_tokens": args.new_tokens,
-              "threads": args.threads, "kernel": args.kernel, "configs": {}, "hidden_share": {}}
-    print(f"\nbudget {args.budget}, batch {args.batch}, {args.new_tokens} new tokens, {args.repeats} repeats, "
-          f"median decode time per token:")
-    print(f"{'config':16s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
-          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s}")
-    print("(hit rate, prefetch and prediction columns: the whole last run, prefill included; the last two: "
-          "decode steps only, stall as a median over repeats)")
-    for name, _ in configs:
-        t = statistics.median(times[name])
-        ev = evidence[name]
-        row = {"ms_per_token": t * 1e3, "tokens_per_s": 1 / t,
-               "ms_per_token_trials": [x * 1e3 for x in times[name]],
-               **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
-                                         "prediction_precision", "prediction_recall", "stall_s", "read_mode",
-                                         "decode_hit_rate")},
-               "decode_stall_ms_per_token": statistics.median(stalls[name])}
-        report["configs"][name] = row
-        print(f"{name:16s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
-              f"{_fmt(ev.get('prefetch_hits'), '4d')}/{_fmt(ev.get('prefetch_issued'), '<4d')} "
-              f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
-              f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('decode_hit_rate'), '10.1%')} "
-              f"{statistics.median(stalls[name]):12.2f}")
-    for tier in tiers:
-        shares = []
-        for res, off, la in zip(times["resident"], times[f"{tier}/off"], times[f"{tier}/lookahead"]):
-            shares.append((off - la) / (off - res) if off > res else float("nan"))
-        share = statistics.median(shares)
-        res, off, la = (statistics.median(times[n]) for n in ("resident", f"{tier}/off", f"{tier}/lookahead"))
-        of_medians = (off - la) / (off - res) if off > res else float("nan")
-        report["hidden_share"][tier] = {"median": share, "trials": shares, "of_medians": of_medians,
-                                        "speedup_vs_off": off / la}
-        print(f"{tier}: lookahead hides {share:.1%} of the offload penalty (median of paired repeats: "
-              f"{', '.join(f'{s:.1%}' for s in shares)}; from the median times: {of_medians:.1%}); "
-              f"decode {off / la:.2f}x vs off")
+    report = {"model": str(path), "budget": args.budget, "new_tokens": args.new_tokens, "threads": args.threads,
+              "kernel": args.kernel, "load_average": os.getloadavg(), "batches": {}}
+    print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, {args.repeats} repeats, kernel {args.kernel}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("(hit rate, prefetch and prediction columns: the whole last run, prefill included; decode hit, stall and "
+          "loaded MB: decode steps only)")
+    for b in batches:
+        pick = lambda d: {n: d[b, n] for n in names}  # noqa: E731
+        report["batches"][str(b)] = _summarise(b, names, tiers, pick(times), pick(stalls), pick(evidence))
     if args.json:
         from moebench.fileio import atomic_write_json
 

@@ -157,13 +157,51 @@ def test_random_calls_always_served_exactly(ckpt, workers):
     store.close()
 
 
-def test_calls_needing_more_experts_than_slots_use_scratch(ckpt):
+def test_calls_needing_more_experts_than_slots_use_the_stage(ckpt):
+    """12 distinct experts, 3 slots: the 3 residents are used where they are (never copied), the 9
+    others are loaded once each into stage rows, and the pool keeps what it held."""
     store = pooled(ckpt, slots=3)
-    ids = torch.arange(12).view(6, 2)  # 12 distinct experts, 3 slots
+    ids = torch.arange(12).view(6, 2)
     assert_serves(ckpt, store, 1, ids)
-    assert store.evidence()["overflow_calls"] == 1
-    assert set(store.pools[1].slot_of) == {0, 1, 2}  # the pool itself is untouched
+    assert store.tier.loads == [(1, e) for e in range(3, 12)]
+    ev = store.evidence()
+    assert ev["overflow_calls"] == 1 and ev["staged_loads"] == 9 and ev["expert_misses"] == 9
+    assert ev["staging_bytes"] == (E - 3) * store.expert_pool_bytes  # one stage without a prefetcher
+    assert set(store.pools[1].slot_of) == {0, 1, 2}
+    # the staged experts are not kept: the next call loads what it misses again, into the pool
     assert_serves(ckpt, store, 1, torch.tensor([[2, 9]]))
+    assert store.tier.loads[-1] == (1, 9) and 9 in store.pools[1].slot_of
+
+
+def test_overflow_misses_take_lru_slots_first(ckpt):
+    """A call larger than the pool still evicts the pool's experts it does not need (LRU), and only
+    what does not fit goes to the stage."""
+    store = pooled(ckpt, slots=4)  # holds 0..3
+    assert_serves(ckpt, store, 0, torch.tensor([[0, 4], [5, 6], [7, 8]]))  # 0 needed; 1, 2, 3 evictable
+    pool = store.pools[0]
+    assert 0 in pool.slot_of and len(pool.slot_of) == 4 and not {1, 2, 3} & set(pool.slot_of)
+    assert store.evidence()["staged_loads"] == 2
+
+
+def test_pool_and_stage_bounds_hold_under_random_calls(ckpt):
+    """Budget accounting: whatever the calls and plans, no pool ever holds more than its slots and no
+    stage more than the E - S experts outside its pool."""
+    g = torch.Generator().manual_seed(5)
+    store = pooled(ckpt, slots=4, workers=1)
+    for _ in range(100):
+        layer = int(torch.randint(0, LAYERS, (1,), generator=g))
+        tokens = int(torch.randint(1, 9, (1,), generator=g))
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+        planned = torch.randperm(E, generator=g)[: int(torch.randint(1, E, (1,), generator=g))]
+        store.plan_prefetch((layer + 1) % LAYERS, planned.tolist())
+        assert_serves(ckpt, store, layer, ids)
+        for pool in store.pools.values():
+            assert len(pool.slot_of) + len(pool.free) == 4
+        for stage in store.stages:
+            assert len(stage.row_of) + len(stage.free) == E - 4
+            if stage.layer is not None:  # filled for a coming call: none of it duplicates the pool
+                assert not set(stage.row_of) & set(store.pools[stage.layer].slot_of)
+    store.close()
 
 
 def test_disk_tier_reads_exactly_what_the_checkpoint_holds(ckpt):
@@ -238,3 +276,29 @@ def test_disk_tier_on_a_sharded_checkpoint(ckpt, tmp_path, resident):
     sharded = load_checkpoint(tmp_path)
     result = generate(sharded, expert_budget=0.5, offload_tier="disk", prefetch="lookahead")
     assert [c.output_ids for c in result.completions] == resident
+
+
+def test_truncated_checkpoint_fails_loudly(ckpt, tmp_path):
+    """An expert read that comes back short is an error naming the file, never a slot of garbage;
+    so is a failure in a prefetch worker, raised by the call that needs the expert."""
+    import shutil
+
+    for f in ckpt.path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    copy = load_checkpoint(tmp_path)
+    tier = DiskTier(copy, readers=1)
+    data = tmp_path / "model.safetensors"
+    last = max(tier.extents, key=lambda k: tier.extents[k][0].end)  # the expert stored last
+    with open(data, "r+b") as f:
+        f.truncate(tier.extents[last][0].end - 100)
+    w13 = torch.empty_like(ckpt.layers[0].w13[0])
+    w2 = torch.empty_like(ckpt.layers[0].w2[0])
+    with pytest.raises(MoebenchError, match="short read"):
+        tier.load(*last, w13, w2)
+    store = PooledStore(copy, RuntimeConfig(expert_budget=0.25), tier, 4, workers=1)
+    layer, expert = last
+    store.plan_prefetch(layer, [expert])
+    store.fetch((layer + 1) % LAYERS, torch.tensor([[0, 1]]))
+    with pytest.raises(MoebenchError, match="short read"):
+        store.fetch(layer, torch.tensor([[expert, 0]]))
+    store.close()

@@ -106,19 +106,62 @@ def test_needed_expert_still_loading_is_waited_for(ckpt):
     store.close()
 
 
-def test_predictor_uses_the_next_layers_router(ckpt):
+def test_predictor_unions_next_router_and_last_step(ckpt):
     store = store_for(ckpt)
     pf = LookaheadPrefetcher(ckpt, store)
     x = torch.randn(3, ckpt.config.hidden_size)
-    pf.before_layer(0, x, torch.zeros(3, K, dtype=torch.long))
-    layer, planned = store.pending
-    expected = torch.topk(x @ ckpt.layers[1].router.T, K, dim=-1).indices
-    assert layer == 1 and set(planned) == set(expected.flatten().tolist())
-    votes = torch.bincount(expected.flatten(), minlength=E)
-    assert votes[planned[0]] == votes.max()  # the most wanted first
-    pf.before_layer(LAYERS - 1, x, None)  # the last MoE layer has no next layer to plan for
-    assert store.pending == (layer, planned)
+    router_guess = torch.topk(x @ ckpt.layers[1].router.T, K, dim=-1).indices.flatten().tolist()
+    used = [torch.tensor([[4, 5]]), torch.tensor([[6, 7]]), torch.tensor([[8, 9]])]
+    pf.before_layer(0, x, used[0])  # first step: no history, the router's guess only
+    assert store.pending == (1, list(dict.fromkeys(router_guess)))
+    pf.before_layer(1, x, used[1])
+    # the last MoE layer plans the first one of the next step, from what it used in this step
+    pf.before_layer(LAYERS - 1, x, used[2])
+    assert store.pending == (0, [4, 5])
+    pf.before_layer(0, x, used[0])  # next step: router's guess, then what layer 1 used last step
+    assert store.pending == (1, list(dict.fromkeys(router_guess + [6, 7])))
     store.close()
+
+
+def test_prediction_larger_than_the_pool_is_staged(ckpt):
+    """At a large batch the next layer needs more experts than its pool holds: the surplus of the
+    prediction is loaded into that layer's stage and served from there, exactly, with no demand load."""
+    tier = GatedTier(ckpt)
+    store = store_for(ckpt, slots=4, tier=tier)  # pools hold 0..3
+    wanted = list(range(2, 12))  # 10 experts: 2, 3 resident; 4, 5 evict 0, 1; 6..11 staged
+    store.plan_prefetch(1, wanted)
+    store.fetch(0, torch.tensor([[0, 1]]))
+    ids = torch.tensor(wanted).view(5, 2)
+    w13, w2, slot_ids = store.fetch(1, ids)
+    assert torch.equal(w13[slot_ids], ckpt.layers[1].w13[ids]) and torch.equal(w2[slot_ids], ckpt.layers[1].w2[ids])
+    ev = store.evidence()
+    assert ev["expert_misses"] == 0 and ev["prefetch_hits"] == ev["prefetch_issued"] == 8
+    assert ev["staged_loads"] == 6 and ev["prediction_recall"] == 1.0
+    store.close()
+
+
+def test_prefetch_never_writes_the_stage_in_use(ckpt):
+    """Layers 0 and 2 share a stage (two stages alternate): a plan for layer 0 issued after layer 2's
+    call, whose kernel reads that stage next, goes to layer 0's pool only."""
+    store = store_for(ckpt, slots=4, tier=GatedTier(ckpt))
+    assert store.stage_of[0] is store.stage_of[2] and store.stage_of[0] is not store.stage_of[1]
+    store.plan_prefetch(0, list(range(4, 16)))
+    ids = torch.arange(4, 16).view(6, 2)  # layer 2 overflows into its stage
+    w13, w2, slot_ids = store.fetch(2, ids)
+    assert torch.equal(w13[slot_ids], ckpt.layers[2].w13[ids])
+    assert store.evidence()["prefetch_issued"] == 4  # 4 slots of layer 0's pool, nothing staged
+    store.close()
+
+
+def test_close_with_loads_in_flight_leaves_no_thread(ckpt):
+    tier = GatedTier(ckpt, gated={8})
+    store = store_for(ckpt, workers=1, tier=tier)
+    store.plan_prefetch(1, [8, 9, 10])
+    store.fetch(0, torch.tensor([[0, 1]]))
+    assert tier.started.wait(10)
+    threading.Timer(0.05, tier.gate.set).start()
+    store.close()  # waits for the running load, drops the queued ones
+    assert not [t for t in threading.enumerate() if t.name.startswith("moebench-")]
 
 
 def test_no_prefetch_hits_is_an_activation_error(ckpt):
