@@ -1,30 +1,33 @@
-"""Admission policies of continuous batching: which prefilled requests join the decode batch first.
+"""Admission policies of continuous batching: which running requests make up each decode step.
 
-The continuous scheduler prefills waiting requests in arrival order; a prefilled request then
-waits for a decode slot. The policy orders those candidates.
+The continuous scheduler prefills waiting requests in arrival order and keeps every prefilled,
+unfinished request's KV in the cache (`running`); before every decode step the policy picks the
+`batch_size` of them that run. With no more running requests than slots there is no choice.
 
-`fifo`: arrival order, and nothing is prefilled ahead of a free slot (nano-vllm's behaviour).
+`fifo`: nothing is prefilled ahead of a free slot, so every running request runs (nano-vllm's
+behaviour).
 
-`affinity`: prefer the candidates whose experts overlap most with those the running batch is
-using, so each decode step reads fewer distinct experts (MoE decoding is bound by reading expert
-weights: every distinct expert in a step is one more set of matrices to stream).
+`affinity`: up to `lookahead` requests are prefilled ahead, and each step runs the requests whose
+next token is expected to use experts the others use too, so the step reads fewer distinct experts
+(MoE decoding is bound by reading expert weights: every distinct expert in a step is one more set
+of matrices to stream).
 
-What predicts a request's decode-time experts? Not its prompt's token ids: prompts of one suite
-end alike, yet sequences route differently because of their context. What does predict them is
-the routing the request itself had at the end of its prefill, where decoding continues from, and
-then its own recent decode steps: on a random 64-expert top-8 Qwen3-MoE, a sequence's prefill-
-tail experts overlap its first decode steps' by ~78%, and its decode steps overlap each other by
-85-94%, against 28% between different sequences. So the policy measures instead of guessing:
-the scheduler prefills up to `lookahead` requests ahead of free slots, and each sequence carries
-a signature (`Sequence.routed_experts`, [layers, experts]): the mean routing of its prefill tail,
-then an exponentially decayed average of its decode routing. The batch profile is the sum of
-the running signatures; candidates are picked greedily, each the one whose routing falls least
-on experts the profile leaves cold (expected new experts exp(-profile)), then added to it.
+What predicts the experts of a request's next token? Its previous token's: routing follows the
+context, which changes by one token a step. Measured on recorded routing (the bundled model on
+gsm-synth; a random 64-expert top-8 Qwen3-MoE on GSM8K), a sequence's consecutive decode steps
+share most of their experts, far more than two sequences at the same step do. Requests started
+together (a static batch) are at the same point of their answers and so route alike; continuous
+batching mixes requests at every point of their answers, which is why its full batches touch more
+distinct experts than static ones do. Choosing, each step, among more requests than slots lets
+the batch regroup requests that currently route alike.
 
-Fairness: a candidate passed over by a later arrival counts a skip; one with `max_skips` skips
-joins next, in arrival order, whatever its affinity. Prefill stays in arrival order, so a
-request's queue wait is FIFO's, and its extra wait for a decode slot is bounded by `max_skips`
-joins.
+Choice: each running request carries its last token's expert ids per layer
+(`Sequence.routed_experts`, set from the step's routing). Greedily, the batch takes the request
+that adds the fewest (layer, expert) pairs the batch does not use yet; ties go to the earliest
+arrival. Fairness: a running request left out of a step counts a skip; at `max_skips` consecutive
+skips it runs next step whatever its experts, so no request waits more than `max_skips` steps for a
+decode step. Prefill stays in arrival order, so a request's queue wait (to its first compute) is
+FIFO's or shorter (it is prefilled ahead).
 """
 
 from __future__ import annotations
@@ -38,16 +41,12 @@ class AdmissionPolicy:
     name = "base"
 
     def lookahead(self, batch_size: int) -> int:
-        """How many requests to prefill ahead of free decode slots (candidates to choose from)."""
+        """How many requests to prefill beyond the batch size (candidates to choose from)."""
         return 0
 
-    def order(self, candidates: list[Sequence], running: list[Sequence], slots: int) -> list[Sequence]:
-        """Prefilled candidates (arrival order) in the order they should join; the scheduler takes
-        the first `slots`."""
-        return candidates
-
-    def joined(self, chosen: list[Sequence], candidates: list[Sequence]) -> None:
-        pass
+    def select(self, running: list[Sequence], batch_size: int) -> list[Sequence]:
+        """The requests of the next decode step: at most `batch_size` of `running` (arrival order)."""
+        return running[:batch_size]
 
     def attach(self, num_layers: int, num_experts: int) -> None:
         """The model's shape, once the engine hands the scheduler its routing statistics."""
@@ -67,90 +66,70 @@ class FifoAdmission(AdmissionPolicy):
 class AffinityAdmission(AdmissionPolicy):
     name = "affinity"
 
-    def __init__(self, max_skips: int, lookahead: int, decay: float = 0.8, tail_tokens: int = 4):
-        self.num_layers = 0
+    def __init__(self, max_skips: int, lookahead: int):
         self.num_experts = 0
         self.max_skips = max_skips
         self._lookahead = lookahead
-        self.decay = decay  # per decode step: a signature follows what the sequence does now
-        self.tail_tokens = tail_tokens
-        self.reorders = 0
-        self.forced = 0
-        self._skips: dict[int, int] = {}  # id(seq) -> times a later arrival joined first
+        self.reorders = 0  # steps whose batch differs from the first batch_size in arrival order
+        self.forced = 0  # requests run because of the skip bound
+        self._skips: dict[int, int] = {}  # id(seq) -> consecutive steps left out
 
     def lookahead(self, batch_size: int) -> int:
         return self._lookahead
 
     def attach(self, num_layers: int, num_experts: int) -> None:
-        self.num_layers, self.num_experts = num_layers, num_experts
-
-    # learning -----------------------------------------------------------------------------------
+        self.num_experts = num_experts
 
     def observe(self, batch, lens, last_topk) -> None:
-        if not last_topk or not batch or not self.num_experts:
+        if not last_topk or not batch:
             return
-        # Only the rows that matter: the last `tail_tokens` tokens of each sequence of the step.
-        rows, owners, start = [], [], 0
-        for i, q in enumerate(lens):
-            take = min(q, self.tail_tokens)
-            rows.extend(range(start + q - take, start + q))
-            owners.extend([i] * take)
-            start += q
-        index = torch.tensor(rows)
-        sig = torch.zeros(len(batch), self.num_layers, self.num_experts)
-        weight = torch.zeros(len(batch))
-        owner = torch.tensor(owners)
-        weight.index_add_(0, owner, torch.ones(len(owners)))
-        for layer, topk in last_topk.items():
-            ids = topk.index_select(0, index.to(topk.device)).cpu()  # [rows, k]
-            hist = torch.zeros(len(rows), self.num_experts).scatter_(1, ids, 1.0)
-            sig[:, layer].index_add_(0, owner, hist)
-        sig /= weight[:, None, None]
-        for seq, q, s in zip(batch, lens, sig):
-            old = seq.routed_experts
-            if q > 1 or old is None:  # a prefill (or recompute) starts the signature afresh
-                seq.routed_experts = s
-            else:
-                seq.routed_experts = self.decay * old + (1 - self.decay) * s
+        last = torch.tensor(lens).cumsum(0) - 1  # each sequence's last token in the step
+        ids = torch.stack([last_topk[layer].index_select(0, last.to(last_topk[layer].device)).cpu()
+                           for layer in sorted(last_topk)], dim=1)  # [B, moe layers, k]
+        for seq, row in zip(batch, ids):
+            seq.routed_experts = row
 
-    # choosing -----------------------------------------------------------------------------------
-
-    def order(self, candidates, running, slots):
-        if len(candidates) <= 1:
-            return candidates
-        forced = [s for s in candidates if self._skips.get(id(s), 0) >= self.max_skips]
-        free = [s for s in candidates if self._skips.get(id(s), 0) < self.max_skips]
-        profile = torch.zeros(self.num_layers, self.num_experts)
-        for s in running:
-            if s.routed_experts is not None:
-                profile += s.routed_experts
-        known = [s for s in free if s.routed_experts is not None]
-        unknown = [s for s in free if s.routed_experts is None]
-        picked: list[Sequence] = []
-        if known:
-            sigs = torch.stack([s.routed_experts for s in known])  # [n, layers, experts]
-            left = torch.ones(len(known), dtype=torch.bool)
-            while left.any() and len(forced) + len(picked) < slots:
-                # expected new experts: each candidate's routing mass on experts the profile leaves cold
-                costs = (sigs * torch.exp(-profile)).sum(dim=(1, 2)).masked_fill(~left, float("inf"))
-                best = int(torch.argmin(costs))  # ties: the earliest arrival (candidates are in arrival order)
-                left[best] = False
-                picked.append(known[best])
-                profile += sigs[best]
-            known = [s for s, still in zip(known, left.tolist()) if still]
-        return forced + picked + known + unknown
-
-    def joined(self, chosen, candidates) -> None:
-        taken = {id(s) for s in chosen}
-        last = max(i for i, s in enumerate(candidates) if id(s) in taken)
-        if any(id(s) not in taken for s in candidates[: len(chosen)]):
+    def select(self, running, batch_size):
+        if len(running) <= batch_size:
+            self._skips.clear()
+            return list(running)
+        forced = [s for s in running if self._skips.get(id(s), 0) >= self.max_skips][:batch_size]
+        self.forced += len(forced)
+        chosen = self._greedy([s for s in running if all(s is not f for f in forced)],
+                              batch_size - len(forced), forced)
+        rank = {id(s): i for i, s in enumerate(running)}  # by identity: Sequence == compares contents
+        batch = sorted(forced + chosen, key=lambda s: rank[id(s)])
+        if any(a is not b for a, b in zip(batch, running)):
             self.reorders += 1
-        for i, s in enumerate(candidates):
-            if id(s) in taken:
-                if self._skips.pop(id(s), 0) >= self.max_skips:
-                    self.forced += 1
-            elif i < last:
-                self._skips[id(s)] = self._skips.get(id(s), 0) + 1
+        taken = {id(s) for s in batch}
+        self._skips = {id(s): self._skips.get(id(s), 0) + 1 for s in running if id(s) not in taken}
+        return batch
+
+    def _greedy(self, candidates: list[Sequence], slots: int, chosen: list[Sequence]) -> list[Sequence]:
+        """`slots` candidates, each the one adding the fewest (layer, expert) pairs to those of
+        `chosen` and the ones picked before it."""
+        known = [s for s in candidates if s.routed_experts is not None]
+        unknown = [s for s in candidates if s.routed_experts is None]  # run only when slots are left
+        if not known or slots <= 0:
+            return (known + unknown)[:max(slots, 0)]
+
+        def pairs(seqs):  # [n, layers * experts] True where the sequence's last token went
+            ids = torch.stack([s.routed_experts for s in seqs])
+            hot = torch.zeros(ids.shape[0], ids.shape[1], self.num_experts, dtype=torch.bool)
+            return hot.scatter_(2, ids, True).flatten(1)
+
+        hot = pairs(known)
+        routed = [s for s in chosen if s.routed_experts is not None]
+        used = pairs(routed).any(0) if routed else torch.zeros(hot.shape[1], dtype=torch.bool)
+        left = torch.ones(len(known), dtype=torch.bool)
+        picked = []
+        for _ in range(min(slots, len(known))):
+            cost = (hot & ~used).sum(1).masked_fill(~left, hot.shape[1] + 1)
+            best = int(torch.argmin(cost))  # ties: the earliest arrival (candidates are in arrival order)
+            left[best] = False
+            used |= hot[best]
+            picked.append(known[best])
+        return picked + unknown[: slots - len(picked)]
 
     def evidence(self) -> dict:
         return {"admission": self.name, "affinity_reorders": self.reorders, "fairness_joins": self.forced}
@@ -162,5 +141,5 @@ def make_admission(name: str, batch_size: int) -> AdmissionPolicy:
     if name == "fifo":
         return FifoAdmission()
     if name == "affinity":
-        return AffinityAdmission(max_skips=2 * batch_size, lookahead=batch_size)
+        return AffinityAdmission(max_skips=batch_size, lookahead=batch_size)
     raise MoebenchError(f"unknown admission '{name}' (choose from: affinity, fifo)")

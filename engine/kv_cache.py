@@ -88,6 +88,27 @@ class KVCache:
         self.v = [memory.empty(shape, dtype, device).zero_() for _ in range(num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # Where a step's gathered context goes, reused by every layer and step: a fresh multi-MB
+        # tensor per layer would be faulted in page by page each time (slow in 4 KiB pages).
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `blocks` ([B, max_blocks] block ids), as [B, max_blocks * block_size,
+        kv_heads, head_dim] views of a reusable buffer, valid until the next call. Whole blocks are
+        copied (rows of block_size * kv_heads * head_dim contiguous elements), which is much faster
+        than gathering token by token."""
+        pool_k, pool_v = self.k[layer], self.v[layer]
+        heads, dim = pool_k.shape[1:]
+        row = self.block_size * heads * dim
+        n = blocks.numel()
+        if self._gathered is None or self._gathered[0].shape[0] < n:
+            size = max(n, 2 * self._gathered[0].shape[0] if self._gathered else 0)  # grows rarely
+            self._gathered = tuple(memory.empty((size, row), pool_k.dtype, pool_k.device) for _ in range(2))
+        flat = blocks.reshape(-1)
+        shape = (blocks.shape[0], blocks.shape[1] * self.block_size, heads, dim)
+        k = torch.index_select(pool_k.view(-1, row), 0, flat, out=self._gathered[0][:n]).view(shape)
+        v = torch.index_select(pool_v.view(-1, row), 0, flat, out=self._gathered[1][:n]).view(shape)
+        return k, v
 
     @staticmethod
     def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:

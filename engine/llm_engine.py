@@ -16,7 +16,7 @@ from moebench.engine.loader import Checkpoint
 from moebench.engine.model import MoeTransformer, build_forward_batch
 from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
 from moebench.engine.routing_stats import RoutingStats
-from moebench.engine.scheduler import make_scheduler, scheduler_activation_errors
+from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
 from moebench.errors import MoebenchError
 
@@ -86,7 +86,7 @@ class Engine:
     def _kv_blocks(self, seqs: list[Sequence]) -> int:
         bs = self.runtime.kv_block_size
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
-        return self.runtime.batch_size * -(-longest // bs) + 1
+        return max_resident(self.runtime) * -(-longest // bs) + 1
 
     def generate(
         self,
@@ -153,7 +153,7 @@ class Engine:
         for s in seqs:
             block_manager.ensure_capacity(s.block_table, s.num_tokens)
         batch = build_forward_batch(new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs],
-                                    rt.kv_block_size, rt.device, self.cfg.sliding_window)
+                                    rt.kv_block_size, rt.device, self.cfg.sliding_window, rt.torch_dtype)
         start = time.perf_counter()
         logits = model.forward(batch, kv)
         next_ids = logits.argmax(dim=-1).tolist()

@@ -17,7 +17,7 @@ from moebench.kernels.reference import route_softmax_topk
 
 @dataclass
 class ForwardBatch:
-    """Flattened new tokens of every sequence in a step, plus the padded view attention needs."""
+    """Flattened new tokens of every sequence in a step, plus the block view attention reads."""
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
@@ -25,46 +25,47 @@ class ForwardBatch:
     padded_index: torch.Tensor  # [N] position of each token in the [B * max_q] padded layout
     batch_size: int
     max_q: int
-    context_slots: torch.Tensor  # [B, max_ctx] slots of each sequence's whole context (0 where padded)
-    attn_mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where attention is allowed
+    context_blocks: torch.Tensor  # [B, max_blocks] KV blocks of each sequence's context, in order
+    attn_bias: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] 0 where attention is allowed, else -inf
     last_token_index: torch.Tensor  # [B] index into N of each sequence's last new token
 
 
 def build_forward_batch(
     new_tokens: list[list[int]], num_cached: list[int], block_tables: list[list[int]],
-    block_size: int, device: str, sliding_window: int | None = None,
+    block_size: int, device: str, sliding_window: int | None = None, dtype: torch.dtype = torch.float32,
 ) -> ForwardBatch:
+    """Index tensors of one step. Built from flat Python lists and a few whole-batch tensor ops,
+    so the cost per sequence is list work, not tensor calls."""
     q_lens = [len(t) for t in new_tokens]
     B, max_q = len(new_tokens), max(q_lens)
     ctx_lens = [c + q for c, q in zip(num_cached, q_lens)]
-    max_ctx = max(ctx_lens)
-    input_ids, positions, slots, padded = [], [], [], []
-    context_slots = torch.zeros(B, max_ctx, dtype=torch.long)
-    for b, (tokens, cached, table) in enumerate(zip(new_tokens, num_cached, block_tables)):
-        table_t = torch.tensor(table, dtype=torch.long)
-        ctx = torch.arange(ctx_lens[b])
-        seq_slots = table_t[ctx // block_size] * block_size + ctx % block_size
-        context_slots[b, : ctx_lens[b]] = seq_slots
+    max_blocks = -(-max(ctx_lens) // block_size)
+    input_ids, positions, slots, padded, blocks = [], [], [], [], []
+    for b, (tokens, cached, table, ctx) in enumerate(zip(new_tokens, num_cached, block_tables, ctx_lens)):
         input_ids.extend(tokens)
-        positions.extend(range(cached, cached + len(tokens)))
-        slots.append(seq_slots[cached:])
+        positions.extend(range(cached, ctx))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(cached, ctx))
         padded.extend(range(b * max_q, b * max_q + len(tokens)))
-    q_pos = torch.tensor([[c + i for i in range(max_q)] for c in num_cached])  # [B, max_q]
-    k_pos = torch.arange(max_ctx)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]
-    mask &= k_pos[None, None, :] < torch.tensor(ctx_lens)[:, None, None]
+        used = table[: -(-ctx // block_size)]
+        # Padding repeats a block of the sequence's own: any valid id does, the bias masks it out.
+        blocks.extend(used + [used[0]] * (max_blocks - len(used)))
+    q_pos = torch.tensor(num_cached)[:, None] + torch.arange(max_q)  # [B, max_q]
+    k_pos = torch.arange(max_blocks * block_size)
+    allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < torch.tensor(ctx_lens)[:, None, None])
     if sliding_window:
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        allowed &= k_pos > q_pos[:, :, None] - sliding_window
+    # An additive float mask: SDPA's CPU kernel runs faster with it than with a boolean one.
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     last = torch.tensor(q_lens).cumsum(0) - 1
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, device=device),
         positions=torch.tensor(positions, device=device),
-        slot_mapping=torch.cat(slots).to(device),
+        slot_mapping=torch.tensor(slots, device=device),
         padded_index=torch.tensor(padded, device=device),
         batch_size=B,
         max_q=max_q,
-        context_slots=context_slots.to(device),
-        attn_mask=mask[:, None].to(device),
+        context_blocks=torch.tensor(blocks).view(B, max_blocks).to(device),
+        attn_bias=bias[:, None].to(device),
         last_token_index=last.to(device),
     )
 
@@ -127,11 +128,10 @@ class MoeTransformer:
             qp = q.new_zeros(B * Lq, cfg.num_heads, cfg.head_dim)
             qp[batch.padded_index] = q
             qp = qp.view(B, Lq, cfg.num_heads, cfg.head_dim)
-        keys = kv.k[layer_idx][batch.context_slots]  # [B, ctx, kvh, hd]
-        values = kv.v[layer_idx][batch.context_slots]
+        keys, values = kv.gather_blocks(layer_idx, batch.context_blocks)  # [B, ctx, kvh, hd]
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=batch.attn_mask, scale=self.scale, enable_gqa=True,
+            attn_mask=batch.attn_bias, scale=self.scale, enable_gqa=True,
         )  # [B, heads, Lq, hd]
         out = out.transpose(1, 2).reshape(B * Lq, cfg.num_heads * cfg.head_dim)
         if Lq != 1:

@@ -92,17 +92,17 @@ class ContinuousScheduler(Scheduler):
 
         self.admission = admission or FifoAdmission()
         self.lookahead = self.admission.lookahead(batch_size)
-        # Prefilled (first token out, KV in the cache) and waiting for a decode slot, arrival order.
-        self.prefilled: list[Sequence] = []
+        # `running`: every request with its KV in the cache (prefilled, not finished), arrival order.
+        # Up to batch_size + lookahead of them; each decode step runs the batch_size the policy picks.
         self.admissions = 0  # waiting -> prefill, first time
-        self.admissions_mid_flight = 0  # prefilled -> a decode batch that was already running
+        self.admissions_mid_flight = 0  # first decode step inside a batch that was already decoding
         self.readmissions = 0  # prefill again after a preemption
         self.preemptions = 0
         self.prefill_steps = 0
         self.opportunities = 0
         self._rank: dict[int, int] = {}  # id(seq) -> arrival rank
         self._preempted: set[int] = set()
-        self._decoding = False  # the running batch has had a decode step (joining it is mid-flight)
+        self._decoded: set[int] = set()  # id(seq) of requests that have had a decode step
         self._stats = None
         self._last_batch: list[Sequence] = []
         self._last_lens: list[int] = []
@@ -117,38 +117,22 @@ class ContinuousScheduler(Scheduler):
         super().add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(not s.finished for s in self.prefilled + self.running)
+        return bool(self.waiting) or any(not s.finished for s in self.running)
 
     def schedule(self) -> list[Sequence]:
         still = [s for s in self.running if not s.finished]
-        if self._decoding and still and len(still) < len(self.running) and (self.waiting or self.prefilled):
+        decoding = [s for s in still if id(s) in self._decoded]
+        if decoding and len(still) < len(self.running) and (self.waiting or len(decoding) < len(still)):
             # a slot came free while others kept decoding and requests waited: a static batch would
             # leave it empty; counted so that activation can tell "nothing to do" from "did not run"
             self.opportunities += 1
         self.running = still
-        self.prefilled = [s for s in self.prefilled if not s.finished]  # done by their first token
-        self._decoding = self._decoding and bool(self.running)
         if self._stats is not None and self._last_batch:
             self.admission.observe(self._last_batch, self._last_lens, self._stats.last_topk)
-        self._join_decode()
         batch = self._prefill() or self._decode()
         self._last_batch = batch
         self._last_lens = [s.num_tokens - s.num_cached for s in batch]
         return batch
-
-    def _join_decode(self) -> None:
-        """Fill free decode slots from the prefilled requests, in the admission policy's order."""
-        slots = self.batch_size - len(self.running)
-        if slots <= 0 or not self.prefilled:
-            return
-        order = self.admission.order(self.prefilled, self.running, slots)
-        chosen = order[:slots]
-        self.admission.joined(chosen, self.prefilled)
-        if self._decoding:
-            self.admissions_mid_flight += len(chosen)
-        taken = {id(s) for s in chosen}  # by identity: Sequence is a dataclass, == compares contents
-        self.prefilled = [s for s in self.prefilled if id(s) not in taken]
-        self.running.extend(chosen)
 
     def _max_blocks(self, seq: Sequence) -> int:
         return self.block_manager.blocks_needed(len(seq.prompt_ids) + seq.max_new_tokens)
@@ -156,13 +140,13 @@ class ContinuousScheduler(Scheduler):
     def _prefill(self) -> list[Sequence]:
         """A prefill step for waiting requests, in arrival order, as far as free slots (plus the
         policy's lookahead), the token budget and KV blocks allow. Empty when none can start now."""
-        slots = self.batch_size - len(self.running) - len(self.prefilled)
+        slots = self.batch_size - len(self.running)
         if not self.waiting or slots + self.lookahead <= 0:
             return []
         bm = self.block_manager
-        # Requests prefilled ahead of a free slot must never cost a running one its KV: admit
-        # them only while every admitted request could reach its longest length at once.
-        committed = sum(self._max_blocks(s) for s in self.running + self.prefilled)
+        # Requests beyond batch_size (candidates for the policy) must never cost a running one its
+        # KV: admit them only while every admitted request could reach its longest length at once.
+        committed = sum(self._max_blocks(s) for s in self.running)
         chosen: list[Sequence] = []
         tokens = 0
         for seq in self.waiting:
@@ -176,8 +160,7 @@ class ContinuousScheduler(Scheduler):
                     break
             # Leave one block per admitted sequence free so that the next decode step, which grows
             # every sequence, does not preempt what was just admitted.
-            elif not bm.can_fit(seq.block_table, seq.num_tokens,
-                                reserve=len(self.running) + len(self.prefilled) + len(chosen)):
+            elif not bm.can_fit(seq.block_table, seq.num_tokens, reserve=len(self.running) + len(chosen)):
                 break  # back-pressure: wait for blocks; later requests must not overtake in memory
             bm.ensure_capacity(seq.block_table, seq.num_tokens)
             committed += self._max_blocks(seq)
@@ -197,35 +180,43 @@ class ContinuousScheduler(Scheduler):
                 self.admissions += 1
                 seq.admitted_at = now
                 self._admitted_waits.append(now - seq.arrival)
-        self.prefilled.extend(chosen)
-        self.prefilled.sort(key=lambda s: self._rank[id(s)])
+        self.running.extend(chosen)
+        self.running.sort(key=lambda s: self._rank[id(s)])
         self.prefill_steps += 1
         return chosen
 
     def _decode(self) -> list[Sequence]:
-        """A decode step of every running request, each given room for one more token. When blocks
-        run out, a request prefilled ahead is dropped first, else the most recently admitted
-        running one (possibly the one growing) is preempted."""
+        """A decode step of the batch_size running requests the admission policy picks, each given
+        room for one more token. When blocks run out, a request that has not decoded yet is dropped
+        first, else the most recently admitted one (possibly one of the batch) is preempted."""
         bm = self.block_manager
+        batch = self.admission.select(self.running, self.batch_size)
         i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        while i < len(batch):
             try:
-                bm.ensure_capacity(seq.block_table, seq.num_tokens)
+                bm.ensure_capacity(batch[i].block_table, batch[i].num_tokens)
                 i += 1
             except OutOfBlocks:
-                self._preempt(self.prefilled[-1] if self.prefilled else self.running[-1])
-        self._decoding = bool(self.running)
-        return list(self.running)
+                idle = [s for s in self.running if id(s) not in self._decoded and all(s is not b for b in batch)]
+                victim = max(idle or self.running, key=lambda s: self._rank[id(s)])
+                self._preempt(victim)
+                if any(s is victim for s in batch[:i]):
+                    i -= 1  # it had grown already; the one after it moves into its place
+                batch = [s for s in batch if s is not victim]
+        joining = [s for s in batch if id(s) not in self._decoded]
+        if joining and len(joining) < len(batch):
+            self.admissions_mid_flight += len(joining)
+        self._decoded.update(id(s) for s in batch)
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running = [s for s in self.running if s is not seq]
-        self.prefilled = [s for s in self.prefilled if s is not seq]
         self.block_manager.free(seq.block_table)
         seq.num_cached = 0  # recompute prompt + produced tokens on readmission
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self._preempted.add(id(seq))
+        self._decoded.discard(id(seq))
         self.preemptions += 1
 
     def evidence(self) -> dict:
@@ -239,6 +230,16 @@ class ContinuousScheduler(Scheduler):
             "lookahead": self.lookahead,
             **self.admission.evidence(),
         }
+
+
+def max_resident(runtime) -> int:
+    """How many requests may hold KV at once: the batch, plus the requests continuous batching
+    prefills ahead for its admission policy to choose from. The engine sizes the KV cache for it."""
+    from moebench.engine.admission import make_admission
+
+    if runtime.scheduler != "continuous":
+        return runtime.batch_size
+    return runtime.batch_size + make_admission(runtime.admission, runtime.batch_size).lookahead(runtime.batch_size)
 
 
 def make_scheduler(runtime, block_manager: BlockManager) -> Scheduler:
