@@ -302,9 +302,12 @@ class PooledStore(ExpertStore):
     def _reset_stage(self, stage: _Stage, layer: int | None) -> None:
         """Give the stage to `layer`'s next call. Loads still in flight into it (prefetches another
         call did not need) are cancelled or waited out: their rows are about to be rewritten."""
+        t0 = time.perf_counter()
         for fut in stage.loading.values():
             if not self._cancel(fut):
                 self._finish(fut)
+        if stage.loading:  # time the model's thread waited on loads: stall like any other
+            self.counters.add("stall_s", time.perf_counter() - t0)
         stage.layer = layer
         stage.row_of.clear()
         stage.loading.clear()

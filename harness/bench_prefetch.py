@@ -1,16 +1,18 @@
 """How much of the expert-offload penalty prefetch=lookahead hides.
 
-    python -m moebench.bench_prefetch [--model DIR] [--budget 0.5] [--batch 1] [--repeats 3]
+    python -m moebench.bench_prefetch [--model DIR] [--budget 0.5] [--batch 1,16] [--repeats 3]
 
-Measures decode time per token, at one batch size and on the same prompts, for:
+Measures decode time per token, at each batch size and on the same prompts, for:
   resident              every expert in the fast pool (budget 1.0)            -> T_resident
+  resident/lookahead    budget 1.0 with the prefetcher switched on (idle: its cost)
   <tier>/off            budget < 1, misses loaded on demand, one at a time    -> T_off
   <tier>/lookahead      budget < 1, next layer's experts predicted and loaded
                         in the background                                      -> T_lookahead
-for the host and disk tiers, trials interleaved (resident, host/off, host/lookahead, disk/off,
-disk/lookahead, then again) so drift on a shared machine hits each alike. The hidden share is
+for the host and disk tiers, trials interleaved (every batch size and config once, then again) so
+drift on a shared machine hits each alike. The hidden share is
     (T_off - T_lookahead) / (T_off - T_resident)
-per tier, computed within each repeat (paired) and reported as the median over repeats. Every
+per tier, computed within each repeat (paired) and reported as the median over repeats; speedups
+are medians of paired ratios too. T_off / T_resident bounds what any prefetch can gain. Every
 offloaded run must produce exactly the resident run's tokens; a mismatch is an error.
 
 Default model: the bundled gsm-synth MoE if present, else a random qwen3_moe (hidden 512, 8 layers,
@@ -64,15 +66,20 @@ def _configs(budget, tiers):
 def _run(engine_cls, ckpt, prompts, runtime):
     from moebench.engine import Request
 
+    cpu0, wall0 = os.times(), time.perf_counter()
     result = engine_cls(ckpt, None, runtime).generate([Request(f"b{i}", "") for i in range(len(prompts))],
                                                       prompt_ids=prompts)
+    cpu1, wall1 = os.times(), time.perf_counter()
     decode = [s for s in result.steps if s["phase"] == "decode"]
     tokens = sum(s["decode_tokens"] for s in decode)
     seconds = sum(s["duration_s"] for s in decode)
     hits, misses = (sum(s.get(k, 0) for s in decode) for k in ("expert_hits", "expert_misses"))
     result.decode_stats = {"stall_ms_per_token": 1e3 * sum(s.get("stall_s", 0.0) for s in decode) / tokens,
                            "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
-                           "decode_bytes_loaded": sum(s.get("bytes_loaded", 0) for s in decode)}
+                           "decode_bytes_loaded": sum(s.get("bytes_loaded", 0) for s in decode),
+                           # CPU seconds of this process per wall second: ~1 when the loader threads
+                           # found no idle core (their work then competes with the model's thread)
+                           "cores_used": (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / (wall1 - wall0)}
     return [c.output_ids for c in result.completions], seconds / tokens, result
 
 
@@ -100,12 +107,14 @@ def _median_ratio(num: list[float], den: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
-def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stalls: dict, evidence: dict) -> dict:
+def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stalls: dict, cores: dict,
+               evidence: dict) -> dict:
     """Print one batch size's table and ratios; return them for --json."""
     out = {"configs": {}, "tiers": {}}
     print(f"\nbatch {batch}: median decode time per token")
     print(f"{'config':19s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
-          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s} {'loaded MB':>9s}")
+          f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s} {'loaded MB':>9s} "
+          f"{'cores':>5s}")
     for name in names:
         t = statistics.median(times[name])
         ev = evidence[name]
@@ -114,13 +123,15 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
                **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
                                          "prediction_precision", "prediction_recall", "stall_s", "read_mode",
                                          "decode_hit_rate", "decode_bytes_loaded", "bytes_loaded")},
-               "decode_stall_ms_per_token": statistics.median(stalls[name])}
+               "decode_stall_ms_per_token": statistics.median(stalls[name]),
+               "cores_used": statistics.median(cores[name])}
         out["configs"][name] = row
         print(f"{name:19s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
               f"{_fmt(ev.get('prefetch_hits'), '4d')}/{_fmt(ev.get('prefetch_issued'), '<4d')} "
               f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
               f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('decode_hit_rate'), '10.1%')} "
-              f"{statistics.median(stalls[name]):12.2f} {ev.get('decode_bytes_loaded', 0) / 1e6:9.2f}")
+              f"{statistics.median(stalls[name]):12.2f} {ev.get('decode_bytes_loaded', 0) / 1e6:9.2f} "
+              f"{statistics.median(cores[name]):5.2f}")
     cost = _median_ratio(times["resident/lookahead"], times["resident"]) - 1
     out["budget_1_lookahead_cost"] = cost
     print(f"budget 1.0: lookahead costs {cost:+.1%} decode time vs off (median of paired repeats); "
@@ -191,6 +202,7 @@ def main(argv=None) -> int:
             _run(Engine, ckpt, prompts, replace(rt, max_new_tokens=2))
         times = {(b, n): [] for b, n, _, _ in runs}
         stalls = {(b, n): [] for b, n, _, _ in runs}
+        cores = {(b, n): [] for b, n, _, _ in runs}
         evidence, reference = {}, {}
         for rep in range(args.repeats):
             for b, name, prompts, rt in runs:
@@ -203,6 +215,7 @@ def main(argv=None) -> int:
                     raise MoebenchError(f"batch {b} {name}: {'; '.join(result.activation_errors)}")
                 times[b, name].append(per_token)
                 stalls[b, name].append(result.decode_stats["stall_ms_per_token"])
+                cores[b, name].append(result.decode_stats["cores_used"])
                 evidence[b, name] = {**result.evidence["prefetch"], **result.decode_stats}
                 print(f"  repeat {rep} batch {b:3d} {name:19s} {per_token * 1e3:8.2f} ms/token", flush=True)
     except MoebenchError as e:
@@ -214,10 +227,10 @@ def main(argv=None) -> int:
     print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, {args.repeats} repeats, kernel {args.kernel}, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("(hit rate, prefetch and prediction columns: the whole last run, prefill included; decode hit, stall and "
-          "loaded MB: decode steps only)")
+          "loaded MB: decode steps only; cores: CPU seconds of this process per wall second of a trial)")
     for b in batches:
         pick = lambda d: {n: d[b, n] for n in names}  # noqa: E731
-        report["batches"][str(b)] = _summarise(b, names, tiers, pick(times), pick(stalls), pick(evidence))
+        report["batches"][str(b)] = _summarise(b, names, tiers, pick(times), pick(stalls), pick(cores), pick(evidence))
     if args.json:
         from moebench.fileio import atomic_write_json
 

@@ -69,6 +69,15 @@ def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, p
         assert ev["read_mode"] in ("o_direct", "fadvise") and ev["disk_requests"] > 0
 
 
+def test_fused_kernel_on_pool_and_stage_rows_is_exact(ckpt):
+    """The fused kernel gets one view from the pool's first slot to the stage's last row, with other
+    layers' pools in between: only the rows the ids name may matter."""
+    fused_resident = [c.output_ids for c in generate(ckpt, kernel="fused").completions]
+    result = generate(ckpt, expert_budget=0.25, offload_tier="host", prefetch="lookahead", kernel="fused")
+    assert [c.output_ids for c in result.completions] == fused_resident
+    assert result.evidence["prefetch"]["staged_loads"] > 0
+
+
 def test_step_metrics_sum_up(ckpt):
     result = generate(ckpt, expert_budget=0.5, prefetch="lookahead")
     ev = result.evidence["prefetch"]
