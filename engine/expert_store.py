@@ -115,7 +115,7 @@ class _Pool:
 
 class _Stage:
     """Rows for the experts one call needs beyond its layer's pool, when its working set is larger than
-    the pool (a batch of 16 at top-2 of 16 experts touches ~14 of them; a prefill touches all).
+    the pool (a decode step of 16 sequences at top-2 of 16 experts touches ~10 of them; a prefill, most).
 
     The rows are transient: filled for one call of one layer (by that layer's prefetch, then by the
     call's own misses) and never read again after it. E - S rows always suffice: a stage only holds
@@ -545,7 +545,7 @@ def slots_for_budget(cfg, runtime) -> int:
     A fraction f keeps floor(f * E) experts of every MoE layer; a size keeps as many as fit, split
     evenly over the MoE layers (compute-dtype bytes). One token needs top_k experts of a layer at
     once, so fewer slots than top_k is refused; calls needing more distinct experts than the pool
-    holds (long prefills) go through a transient scratch buffer instead (see PooledStore).
+    holds (prefills, large decode batches) put the rest in transient stage rows (see PooledStore).
     """
     budget = runtime.expert_budget
     E, k = cfg.num_experts, cfg.top_k

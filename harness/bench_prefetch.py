@@ -143,10 +143,12 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
         mr, mo, ml = (statistics.median(x) for x in (res, off, la))
         of_medians = (mo - ml) / (mo - mr) if mo > mr else float("nan")
         speedup = _median_ratio(off, la)
-        out["tiers"][tier] = {"hidden_share": share, "hidden_share_trials": shares, "hidden_share_of_medians": of_medians,
-                              "speedup_vs_off": speedup, "off_vs_resident": _median_ratio(off, res),
+        out["tiers"][tier] = {"hidden_share": share, "hidden_share_trials": shares,
+                              "hidden_share_of_medians": of_medians, "speedup_vs_off": speedup,
+                              "off_vs_resident": _median_ratio(off, res),
                               "prediction_recall": evidence[f"{tier}/lookahead"].get("prediction_recall")}
-        print(f"{tier}: lookahead {speedup:.2f}x decode vs off (off is {_median_ratio(off, res):.2f}x resident's time), "
+        print(f"{tier}: lookahead {speedup:.2f}x decode vs off "
+              f"(off is {_median_ratio(off, res):.2f}x resident's time), "
               f"hides {share:.1%} of the offload penalty (paired repeats: {', '.join(f'{s:.0%}' for s in shares)}; "
               f"from the median times: {of_medians:.1%}); prediction recall "
               f"{_fmt(evidence[f'{tier}/lookahead'].get('prediction_recall'), '.1%')}")
