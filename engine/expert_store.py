@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -77,15 +78,18 @@ def _ratio(a, b):
 class ResidentStore(ExpertStore):
     """Every expert in the fast pool: every look-up is a hit, nothing is ever loaded."""
 
-    def __init__(self, ckpt, budget=1.0):
-        self.layers = ckpt.layers
+    def __init__(self, ckpt, budget=1.0, dtype: torch.dtype | None = None):
+        self.experts = {i: (w.w13, w.w2) for i, w in enumerate(ckpt.layers) if w.w13 is not None}
+        if dtype is not None and any(w13.dtype != dtype for w13, _ in self.experts.values()):
+            self.experts = _experts_in(ckpt, dtype)
+        self.dtype = dtype
         self.budget = budget
         self.counters = _Counters()
 
     def fetch(self, layer, topk_ids):
-        w = self.layers[layer]
+        w13, w2 = self.experts[layer]
         self.counters.add("expert_hits", int(torch.unique(topk_ids).numel()))
-        return w.w13, w.w2, topk_ids
+        return w13, w2, topk_ids
 
     def take_step(self):
         return self.counters.take_step()
@@ -93,7 +97,28 @@ class ResidentStore(ExpertStore):
     def evidence(self):
         t = self.counters.total
         return {"store": "resident", "expert_budget": self.budget, "expert_hits": t["expert_hits"],
+                "expert_dtype": _dtype_name(next(iter(self.experts.values()))[0].dtype) if self.experts else None,
                 "expert_misses": 0, "hit_rate": 1.0 if t["expert_hits"] else None}
+
+
+# Converted copies of a checkpoint's experts, kept for the checkpoint's lifetime: an ablation builds
+# one engine per config and trial, and converting gigabytes each time would dominate short trials.
+_CONVERTED: dict[tuple[int, torch.dtype], dict] = {}
+
+
+def _experts_in(ckpt, dtype: torch.dtype) -> dict:
+    """Every MoE layer's (w13, w2) in `dtype` (exact both ways between a bfloat16 checkpoint's
+    values and float32), in huge pages."""
+    key = (id(ckpt), dtype)
+    if key not in _CONVERTED:
+        _CONVERTED[key] = {i: (memory.to_huge_pages(w.w13.to(dtype)), memory.to_huge_pages(w.w2.to(dtype)))
+                           for i, w in enumerate(ckpt.layers) if w.w13 is not None}
+        weakref.finalize(ckpt, _CONVERTED.pop, key, None)
+    return _CONVERTED[key]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 class _Pool:
@@ -140,13 +165,15 @@ class PooledStore(ExpertStore):
     prefetcher there are two stages, alternating between consecutive MoE layers, so layer L+1's
     stage fills while layer L's kernel reads its own."""
 
-    def __init__(self, ckpt, runtime, tier, slots: int, workers: int = 0, parallel_demand: bool = False):
+    def __init__(self, ckpt, runtime, tier, slots: int, workers: int = 0, parallel_demand: bool = False,
+                 dtype: torch.dtype | None = None):
         cfg = ckpt.config
         self.cfg, self.tier, self.slots = cfg, tier, slots
         self.budget = runtime.expert_budget
         self.device = runtime.device
         self.cuda = runtime.device == "cuda"
-        dtype = runtime.torch_dtype
+        dtype = dtype or runtime.torch_dtype
+        self.dtype = dtype
         self.expert_pool_bytes = cfg.expert_param_count * torch.empty(0, dtype=dtype).element_size()
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         stages = 2 if workers else 1
@@ -471,6 +498,7 @@ class PooledStore(ExpertStore):
             "store": "pooled",
             "expert_budget": self.budget,
             "slots_per_layer": self.slots,
+            "expert_dtype": _dtype_name(self.dtype),
             "num_experts": self.cfg.num_experts,
             "fast_pool_bytes": self.slots * len(self.pools) * self.expert_pool_bytes,
             "staging_bytes": self.staging_bytes,
@@ -539,18 +567,18 @@ def _machine_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def slots_for_budget(cfg, runtime) -> int:
+def slots_for_budget(cfg, runtime, dtype: torch.dtype | None = None) -> int:
     """Fast-pool slots per MoE layer for `runtime.expert_budget`; num_experts means all resident.
 
     A fraction f keeps floor(f * E) experts of every MoE layer; a size keeps as many as fit, split
-    evenly over the MoE layers (compute-dtype bytes). One token needs top_k experts of a layer at
+    evenly over the MoE layers (bytes in `dtype`, the pool's, by default the compute dtype). One token needs top_k experts of a layer at
     once, so fewer slots than top_k is refused; calls needing more distinct experts than the pool
     holds (prefills, large decode batches) put the rest in transient stage rows (see PooledStore).
     """
     budget = runtime.expert_budget
     E, k = cfg.num_experts, cfg.top_k
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    expert_bytes = cfg.expert_param_count * torch.empty(0, dtype=runtime.torch_dtype).element_size()
+    expert_bytes = cfg.expert_param_count * torch.empty(0, dtype=dtype or runtime.torch_dtype).element_size()
     total = moe_layers * E * expert_bytes
     try:
         fraction = float(budget)
@@ -583,20 +611,19 @@ def slots_for_budget(cfg, runtime) -> int:
 
 def make_store_and_prefetcher(ckpt, runtime):
     """Build the expert store for the configured budget and tier, and the prefetch strategy."""
-    from moebench.engine.offload import make_tier
+    from moebench.engine.moe import KERNEL_CLASSES
+    from moebench.engine.offload import expert_file_dtype, make_tier
 
     cfg = ckpt.config
     if runtime.offload_tier not in ("host", "disk"):
         raise MoebenchError(f"unknown --offload-tier '{runtime.offload_tier}' (choose host or disk)")
-    slots = slots_for_budget(cfg, runtime)
+    # the kernel says which dtype it wants its weights in (the fused CPU kernel streams bfloat16
+    # checkpoints as they are); the pool holds them so, and a budget in bytes counts them so
+    dtype = KERNEL_CLASSES[runtime.kernel].expert_dtype(expert_file_dtype(ckpt), runtime.torch_dtype,
+                                                        runtime.device)
+    slots = slots_for_budget(cfg, runtime, dtype)
     if slots >= cfg.num_experts:
-        moe = [w for i, w in enumerate(ckpt.layers) if cfg.is_moe_layer(i)]
-        if moe and moe[0].w13.dtype != runtime.torch_dtype:
-            raise MoebenchError(
-                f"{ckpt.path}: experts were loaded in {moe[0].w13.dtype} for an offloading budget; a fully "
-                f"resident run (--expert-budget {runtime.expert_budget}) needs them loaded in the compute dtype"
-            )
-        store = ResidentStore(ckpt, runtime.expert_budget)
+        store = ResidentStore(ckpt, runtime.expert_budget, dtype)
     else:
         lookahead = runtime.prefetch == "lookahead"
         disk = runtime.offload_tier == "disk"
@@ -606,7 +633,7 @@ def make_store_and_prefetcher(ckpt, runtime):
         # the baseline loads on the critical path, one expert at a time.
         workers = (readers if disk else int(runtime.extra.get("host_workers", 1))) if lookahead else 0
         tier = make_tier(runtime.offload_tier, ckpt, runtime.device, readers)
-        store = PooledStore(ckpt, runtime, tier, slots, workers, parallel_demand=lookahead and disk)
+        store = PooledStore(ckpt, runtime, tier, slots, workers, parallel_demand=lookahead and disk, dtype=dtype)
     if runtime.prefetch == "lookahead":
         from moebench.engine.prefetch import LookaheadPrefetcher
 

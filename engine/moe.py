@@ -25,6 +25,11 @@ class MoeKernel:
     def compute(self, x, topk_weights, topk_ids, w13, w2) -> torch.Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def expert_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
+        """The dtype the expert store should hand this kernel its weights in."""
+        return compute
+
     def evidence(self) -> dict:
         return {f"{self.name}_calls": self.calls}
 
@@ -50,9 +55,24 @@ class FusedMoe(MoeKernel):
     def compute(self, x, topk_weights, topk_ids, w13, w2):
         return self._fused_moe(x, topk_weights, topk_ids, w13, w2)
 
+    @staticmethod
+    def expert_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
+        """bfloat16 experts stay bfloat16 for the C++ CPU kernel: it widens them to float32 in
+        registers, which is exact (the float32 copy holds the very same values), so the results are
+        bit-identical to float32 weights while half the bytes are streamed, and decode is bound by
+        streaming them. The torch fallback would compute in bfloat16 instead: it gets float32."""
+        from moebench.kernels import cpu_backend
+        from moebench.kernels.cpu_moe import BACKEND_CPP
+
+        widen_in_kernel = device == "cpu" and compute == torch.float32 and stored == torch.bfloat16
+        return stored if widen_in_kernel and cpu_backend() == BACKEND_CPP else compute
+
+
+KERNEL_CLASSES = {"naive": NaiveMoe, "fused": FusedMoe}
+
 
 def make_kernel(name: str) -> MoeKernel:
-    return {"naive": NaiveMoe, "fused": FusedMoe}[name]()
+    return KERNEL_CLASSES[name]()
 
 
 def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:

@@ -262,8 +262,28 @@ def test_experts_kept_in_checkpoint_dtype_run_exactly(ckpt, resident):
     for tier in ("host", "disk"):
         result = generate(raw, expert_budget=0.5, offload_tier=tier, prefetch="lookahead")
         assert [c.output_ids for c in result.completions] == resident
-    with pytest.raises(MoebenchError, match="needs them loaded in the compute dtype"):
-        generate(raw, expert_budget=1.0)
+    # fully resident: the store converts them once for a kernel that wants float32 weights
+    assert [c.output_ids for c in generate(raw, expert_budget=1.0).completions] == resident
+
+
+def test_fused_kernel_gets_bfloat16_experts_and_the_same_outputs(ckpt, monkeypatch):
+    """The fused CPU kernel streams a bfloat16 checkpoint's experts as stored (widened exactly in
+    registers): resident or pooled, its outputs equal those it gives on float32 weights."""
+    from moebench.engine.moe import FusedMoe
+    from moebench.kernels import cpu_backend
+    from moebench.kernels.cpu_moe import BACKEND_CPP
+
+    if cpu_backend() != BACKEND_CPP:
+        pytest.skip("needs the C++ extension")
+    runs = {}
+    for budget in (1.0, 0.5):
+        result = generate(ckpt, kernel="fused", expert_budget=budget)
+        assert result.evidence["prefetch"]["expert_dtype"] == "bfloat16"
+        runs[budget] = [c.output_ids for c in result.completions]
+    monkeypatch.setattr(FusedMoe, "expert_dtype", staticmethod(lambda stored, compute, device: compute))
+    as_float = generate(ckpt, kernel="fused")
+    assert as_float.evidence["prefetch"]["expert_dtype"] == "float32"
+    assert runs[1.0] == runs[0.5] == [c.output_ids for c in as_float.completions]
 
 
 def test_disk_tier_on_a_sharded_checkpoint(ckpt, tmp_path, resident):

@@ -102,6 +102,17 @@ def test_bfloat16():
     assert_close_to_reference(fused_moe_cpu_torch(x, weights, ids, w13, w2).float(), ref, tol=3e-2)
 
 
+@pytest.mark.skipif(not _toolchain_present(), reason="needs the C++ extension")
+def test_bfloat16_weights_widen_exactly():
+    """float32 activations with bfloat16 weights: the kernel widens each weight in registers, so
+    the result is bit-identical to float32 weights holding the same values (why the engine hands
+    the fused kernel a bfloat16 checkpoint's experts as they are)."""
+    x, weights, ids, w13, w2 = make_case(17, 16, 4, 72, 40, seed=5)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    assert cpu_backend() == BACKEND_CPP
+    assert torch.equal(fused_moe_cpu(x, weights, ids, w13, w2), fused_moe_cpu(x, weights, ids, w13.float(), w2.float()))
+
+
 def test_float16_uses_fallback():
     x, weights, ids, w13, w2 = make_case(3, 7, 2, 16, 8, seed=4)
     out = fused_moe_cpu(x.half(), weights, ids, w13.half(), w2.half())
