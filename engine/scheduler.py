@@ -190,6 +190,9 @@ class ContinuousScheduler(Scheduler):
         room for one more token. When blocks run out, a request that has not decoded yet is dropped
         first, else the most recently admitted one (possibly one of the batch) is preempted."""
         bm = self.block_manager
+        if len(self.running) > self.batch_size and any(id(s) in self._decoded for s in self.running) \
+                and any(id(s) not in self._decoded for s in self.running):
+            self.opportunities += 1  # the policy may swap a prefilled request into a decoding batch
         batch = self.admission.select(self.running, self.batch_size)
         i = 0
         while i < len(batch):

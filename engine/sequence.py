@@ -34,7 +34,7 @@ class Sequence:
     text: str = ""
     admitted_at: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds since arrival, one per output token
-    routed_experts: object = None  # [moe layers, top_k] expert ids of its latest token, for affinity admission
+    routed_experts: int | None = None  # bit layer * experts + e set per expert e its latest token used (affinity)
 
     @property
     def id(self) -> str:
