@@ -5,14 +5,15 @@ then take the next batch. Finished requests leave the computation (the baseline 
 with dead rows), but their slots stay empty until the whole batch is done.
 
 `continuous`: iteration-level batching. Every step, finished requests have left and their slots
-and KV blocks are free; if waiting requests can be admitted (a free slot, the step's token budget,
-KV blocks for the prompt), the step is a prefill of just those, otherwise it is a decode step of
-every running request. Keeping prefill and decode in separate steps keeps decode steps pure, so
-decode tokens/s measures decoding only. Which waiting requests go first is the admission policy's
-choice (`moebench.engine.admission`: fifo, or affinity by experts). When a running request cannot
-grow its KV by a block, the most recently admitted one is preempted: its blocks are freed and it
-goes back to the front of the queue, to be recomputed from its prompt and the tokens it already
-produced (greedy decoding makes the recomputation reproduce the same state).
+and KV blocks are free; if waiting requests can be admitted (a free slot or the policy's lookahead,
+the step's token budget, KV blocks for the prompt), the step is a prefill of just those, otherwise
+it is a decode step of the running requests the admission policy picks (up to batch size; fifo runs
+them all, affinity chooses among more by their experts: `moebench.engine.admission`). Keeping
+prefill and decode in separate steps keeps decode steps pure, so decode tokens/s measures decoding
+only. When a request of the step cannot grow its KV by a block, one that has not decoded yet is
+dropped first, else the most recently admitted one is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed from its prompt and the tokens it already produced
+(greedy decoding makes the recomputation reproduce the same state).
 """
 
 from __future__ import annotations
