@@ -124,11 +124,14 @@ class Engine:
         steps: list[StepRecord] = []
         try:
             while scheduler.has_work():
+                # A step's time covers all the engine does for it (choosing the batch, building it,
+                # the forward, sampling, bookkeeping): a costly scheduler must not look free.
+                step_start = time.perf_counter()
                 batch_seqs = scheduler.schedule()
                 if not batch_seqs:
                     raise MoebenchError("scheduler made no progress (a request cannot fit in the KV cache)")
                 steps.append(self._step(len(steps), batch_seqs, model, kv, block_manager, stats, store, scheduler,
-                                        completions, on_complete, arrival))
+                                        completions, on_complete, arrival, step_start))
         finally:
             store.close()
         wall = time.perf_counter() - arrival
@@ -146,7 +149,8 @@ class Engine:
         completions.sort(key=lambda c: order[c.id])
         return GenerationResult(completions, steps, evidence, errors, wall, stats.load.tolist())
 
-    def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival):
+    def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
+              step_start):
         rt = self.runtime
         new_tokens = [s.new_token_ids for s in seqs]
         in_prefill = [s.in_prefill for s in seqs]
@@ -163,8 +167,10 @@ class Engine:
         if slowdown:
             _burn(slowdown * (time.perf_counter() - start))
         end = time.perf_counter()
+        forward_s = end - start
 
         routing = stats.take_step()
+        callbacks_s = 0.0  # the caller's own work (writing samples) is not the engine's
         for s, tokens, tok in zip(seqs, new_tokens, next_ids):
             s.num_cached += len(tokens)
             s.output_ids.append(tok)
@@ -177,7 +183,9 @@ class Engine:
                                s.token_times[0], s.token_times[-1], list(s.token_times))
                 completions.append(c)
                 if on_complete:
+                    t = time.perf_counter()
                     on_complete(c)
+                    callbacks_s += time.perf_counter() - t
 
         n_prefill = sum(in_prefill)
         phase = "prefill" if n_prefill == len(seqs) else ("decode" if n_prefill == 0 else "mixed")
@@ -187,7 +195,8 @@ class Engine:
             "batch_size": len(seqs),
             "num_tokens": sum(len(t) for t in new_tokens),
             "decode_tokens": len(seqs) - n_prefill,
-            "duration_s": end - start,
+            "duration_s": time.perf_counter() - step_start - callbacks_s,
+            "forward_s": forward_s,
             **routing,
             **scheduler.take_step(),
             **store.take_step(),
