@@ -37,6 +37,17 @@ class LayerWeights:
     w2: torch.Tensor | None = None  # [E, H, I]
     dense_w13: torch.Tensor | None = None  # [2I, H] for non-MoE layers
     dense_w2: torch.Tensor | None = None
+    # q, k and v projections stacked: one matmul instead of three (q_proj etc. are views into it)
+    qkv_proj: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+
+    def stack_qkv(self) -> None:
+        sizes = [self.q_proj.shape[0], self.k_proj.shape[0], self.v_proj.shape[0]]
+        self.qkv_proj = to_huge_pages(torch.cat([self.q_proj, self.k_proj, self.v_proj]))
+        self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.split(sizes)
+        if self.q_bias is not None:
+            self.qkv_bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
+            self.q_bias, self.k_bias, self.v_bias = self.qkv_bias.split(sizes)
 
 
 @dataclass
@@ -58,8 +69,8 @@ class Checkpoint:
         if self.lm_head.data_ptr() != self.embed.data_ptr():
             total += self.lm_head.numel()
         for layer in self.layers:
-            for value in vars(layer).values():
-                if isinstance(value, torch.Tensor):
+            for name, value in vars(layer).items():
+                if isinstance(value, torch.Tensor) and name not in ("qkv_proj", "qkv_bias"):  # q/k/v are views
                     total += value.numel()
         return total
 
@@ -207,8 +218,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
     tied = lm_head is embed
     embed = to_huge_pages(embed)
     for layer in layers:
+        layer.stack_qkv()
         for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor) and name not in ("w13", "w2"):  # experts: placed above
+            if isinstance(value, torch.Tensor) and name not in _PLACED:
                 setattr(layer, name, to_huge_pages(value))
     return Checkpoint(
         path=directory,
@@ -222,6 +234,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
         expert_sources=expert_sources,
     )
 
+
+# placed in huge pages already: the experts (allocated there) and the stacked attention projections
+_PLACED = ("w13", "w2", "qkv_proj", "qkv_bias", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias")
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 

@@ -71,6 +71,8 @@ def build_forward_batch(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; the steps below are the same math for other dtypes
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -86,12 +88,16 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim]; rotate-half convention, as Hugging Face's Llama-family models."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows of `positions`, [N, 1, head_dim]: looked up once per forward, used by
+        every layer's q and k."""
         if int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
-        cos = self.cos[positions].to(x.dtype)[:, None, :]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, head_dim]; rotate-half convention, as Hugging Face's Llama-family models."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -107,17 +113,19 @@ class MoeTransformer:
         self.rope = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, ckpt.embed.device)
         self.scale = self.cfg.head_dim ** -0.5
 
-    def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
         N = x.shape[0]
-        q = F.linear(x, w.q_proj, w.q_bias).view(N, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, w.k_proj, w.k_bias).view(N, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, w.v_proj, w.v_bias).view(N, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = F.linear(x, w.qkv_proj, w.qkv_bias).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q = q.view(N, cfg.num_heads, cfg.head_dim)
+        k = k.view(N, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(N, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q = self.rope.apply(q, batch.positions)
-        k = self.rope.apply(k, batch.positions)
+        q = self.rope.apply(q, *rope_tables)
+        k = self.rope.apply(k, *rope_tables)
         kv.k[layer_idx].index_copy_(0, batch.slot_mapping, k)
         kv.v[layer_idx].index_copy_(0, batch.slot_mapping, v)
 
@@ -153,8 +161,9 @@ class MoeTransformer:
         """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions)."""
         cfg = self.cfg
         h = self.ckpt.embed[batch.input_ids]
+        rope_tables = self.rope.tables(batch.positions, h.dtype)
         for i, w in enumerate(self.ckpt.layers):
-            h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv)
+            h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv, rope_tables)
             x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
             h = h + (self.moe_block(i, x) if cfg.is_moe_layer(i) else self.dense_mlp(x, i))
         if not all_positions:
