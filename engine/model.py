@@ -5,6 +5,7 @@ configured MoE kernel. Plain tensors, no autograd: the model is only ever run fo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
+from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.reference import route_softmax_topk
 
 
@@ -27,6 +29,7 @@ class ForwardBatch:
     max_q: int
     context_blocks: torch.Tensor  # [B, max_blocks] KV blocks of each sequence's context, in order
     attn_bias: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] 0 where attention is allowed, else -inf
+    context_lens: torch.Tensor  # [B] context length of each sequence, this step's tokens included
     last_token_index: torch.Tensor  # [B] index into N of each sequence's last new token
 
 
@@ -66,6 +69,7 @@ def build_forward_batch(
         max_q=max_q,
         context_blocks=torch.tensor(blocks).view(B, max_blocks).to(device),
         attn_bias=bias[:, None].to(device),
+        context_lens=torch.tensor(ctx_lens, device=device),
         last_token_index=last.to(device),
     )
 
@@ -112,6 +116,9 @@ class MoeTransformer:
         self.moe_block = moe_block
         self.rope = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, ckpt.embed.device)
         self.scale = self.cfg.head_dim ** -0.5
+        # decode steps read the paged KV cache directly (kernels/cpu_attention.py) where the kernel
+        # applies; MOEBENCH_DECODE_ATTENTION=torch keeps the gather + SDPA path
+        self.fast_decode_attention = os.environ.get("MOEBENCH_DECODE_ATTENTION", "kernel") != "torch"
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
@@ -130,6 +137,12 @@ class MoeTransformer:
         kv.v[layer_idx].index_copy_(0, batch.slot_mapping, v)
 
         B, Lq = batch.batch_size, batch.max_q
+        if Lq == 1 and self.fast_decode_attention:
+            out = paged_decode_attention(q.view(B, cfg.num_heads, cfg.head_dim), kv.k[layer_idx], kv.v[layer_idx],
+                                         batch.context_blocks, batch.context_lens, kv.block_size, self.scale,
+                                         cfg.sliding_window)
+            if out is not None:
+                return F.linear(out.view(B, cfg.num_heads * cfg.head_dim), w.o_proj)
         if Lq == 1:
             qp = q.view(B, 1, cfg.num_heads, cfg.head_dim)
         else:

@@ -37,6 +37,7 @@ __all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "load_extensio
 log = logging.getLogger("moebench.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "moe_cpu.cpp"
+CSRC_ATTENTION = CSRC.with_name("attention_cpu.cpp")  # paged decode attention, same extension
 EXTENSION_NAME = "moebench_moe_cpu"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
@@ -94,7 +95,7 @@ def _build():
     try:
         return load(
             name=EXTENSION_NAME,
-            sources=[str(CSRC)],
+            sources=[str(CSRC), str(CSRC_ATTENTION)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -2,6 +2,7 @@
 and decoding sequences whose blocks are scattered through the pool, in one padded batch of mixed
 context lengths, gives the logits of running each sequence alone over contiguous blocks."""
 
+import pytest
 import torch
 
 from moebench.engine import load_checkpoint
@@ -61,3 +62,36 @@ def test_batched_decode_over_scattered_blocks_equals_each_sequence_alone(tmp_pat
     for i, ids in enumerate(prompts):
         alone = _decode_logits(model, ckpt, [ids], [list(range(need[i]))], need[i])
         assert (together[i] - alone[0]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_attention_kernel_matches_reference(window):
+    """The C++ paged decode attention against the per-sequence torch reference: GQA, scattered
+    blocks, contexts of 1 token to several blocks, with and without a sliding window."""
+    from moebench.kernels.cpu_attention import paged_decode_attention, paged_decode_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 16, 4, 40
+    k_pool = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    v_pool = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    lens = torch.tensor([1, 5, 17, 30, 9])
+    blocks = torch.randperm(num_blocks, generator=g)[: 5 * 8].view(5, 8)
+    q = torch.randn(5, heads, dim, generator=g)
+    out = paged_decode_attention(q, k_pool, v_pool, blocks, lens, block_size, 0.25, window)
+    if out is None:
+        pytest.skip("the CPU extension is not available")
+    ref = paged_decode_attention_reference(q, k_pool, v_pool, blocks, lens, block_size, 0.25, window)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_kernel_refuses_a_block_outside_the_pool():
+    from moebench.kernels.cpu_attention import paged_decode_attention
+    from moebench.kernels.cpu_moe import load_extension
+
+    if load_extension() is None:
+        pytest.skip("the CPU extension is not available")
+    q, pool = torch.randn(1, 2, 8), torch.randn(16, 1, 8)
+    out = None
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        out = paged_decode_attention(q, pool, pool, torch.tensor([[9]]), torch.tensor([3]), 4, 1.0)
+    assert out is None
