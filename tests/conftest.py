@@ -7,6 +7,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every test module runs with one torch thread, whatever an earlier module left set: two
+    OpenMP threads on a busy two-core machine wait on each other at every barrier (tens of times
+    slower on these tiny shapes), and one thread changes no result."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def gsm8k_dir() -> Path:
     """The offline GSM8K copy (test.jsonl, train.jsonl) next to the repository."""

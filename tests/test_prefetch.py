@@ -15,16 +15,6 @@ from tiny_models import make_tiny_checkpoint
 E, K, LAYERS = 16, 2, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two OpenMP threads on a busy two-core machine wait on each other at every barrier (tens of
-    times slower on these tiny shapes); one thread keeps the test fast and changes no result."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen3_e6_k2_norm", dtype=torch.bfloat16,

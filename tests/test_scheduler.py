@@ -18,15 +18,6 @@ from tiny_models import make_tiny_checkpoint
 NUM_REQUESTS = 9
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: a second thread only adds contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return load_checkpoint(make_tiny_checkpoint(tmp_path_factory.mktemp("sched"), "qwen3_e7_k4"))
