@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 import os
 import time
-import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from moebench.engine import memory
+from moebench.engine.offload import expert_file_dtype, experts_in, make_tier
 from moebench.errors import MoebenchError
 
 STEP_KEYS = ("expert_hits", "expert_misses", "prefetch_issued", "prefetch_hits", "bytes_loaded", "stall_s")
@@ -81,7 +81,8 @@ class ResidentStore(ExpertStore):
     def __init__(self, ckpt, budget=1.0, dtype: torch.dtype | None = None):
         self.experts = {i: (w.w13, w.w2) for i, w in enumerate(ckpt.layers) if w.w13 is not None}
         if dtype is not None and any(w13.dtype != dtype for w13, _ in self.experts.values()):
-            self.experts = _experts_in(ckpt, dtype)
+            # converted once per checkpoint, where the loaded experts are
+            self.experts = experts_in(ckpt, dtype, next(iter(self.experts.values()))[0].device)
         self.dtype = dtype
         self.budget = budget
         self.counters = _Counters()
@@ -99,22 +100,6 @@ class ResidentStore(ExpertStore):
         return {"store": "resident", "expert_budget": self.budget, "expert_hits": t["expert_hits"],
                 "expert_dtype": _dtype_name(next(iter(self.experts.values()))[0].dtype) if self.experts else None,
                 "expert_misses": 0, "hit_rate": 1.0 if t["expert_hits"] else None}
-
-
-# Converted copies of a checkpoint's experts, kept for the checkpoint's lifetime: an ablation builds
-# one engine per config and trial, and converting gigabytes each time would dominate short trials.
-_CONVERTED: dict[tuple[int, torch.dtype], dict] = {}
-
-
-def _experts_in(ckpt, dtype: torch.dtype) -> dict:
-    """Every MoE layer's (w13, w2) in `dtype` (exact both ways between a bfloat16 checkpoint's
-    values and float32), in huge pages."""
-    key = (id(ckpt), dtype)
-    if key not in _CONVERTED:
-        _CONVERTED[key] = {i: (memory.to_huge_pages(w.w13.to(dtype)), memory.to_huge_pages(w.w2.to(dtype)))
-                           for i, w in enumerate(ckpt.layers) if w.w13 is not None}
-        weakref.finalize(ckpt, _CONVERTED.pop, key, None)
-    return _CONVERTED[key]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -612,7 +597,6 @@ def slots_for_budget(cfg, runtime, dtype: torch.dtype | None = None) -> int:
 def make_store_and_prefetcher(ckpt, runtime):
     """Build the expert store for the configured budget and tier, and the prefetch strategy."""
     from moebench.engine.moe import KERNEL_CLASSES
-    from moebench.engine.offload import expert_file_dtype, make_tier
 
     cfg = ckpt.config
     if runtime.offload_tier not in ("host", "disk"):

@@ -57,9 +57,10 @@ def _moe_layers(ckpt) -> list[int]:
     return [i for i in range(ckpt.config.num_layers) if ckpt.config.is_moe_layer(i)]
 
 
-# One host copy per checkpoint, shared by every store built on it: the harness builds a store per
-# generate() call, and re-packing gigabytes of experts each time would dominate short trials.
-_HOST_COPIES: dict[int, dict] = {}
+# Converted copies of a checkpoint's experts, one per (checkpoint, dtype, device, pinning), shared
+# by every store built on it: the harness builds a store per generate() call, and re-packing
+# gigabytes of experts each time would dominate short trials.
+_EXPERT_COPIES: dict[tuple, dict] = {}
 
 
 def expert_file_dtype(ckpt) -> torch.dtype:
@@ -72,25 +73,25 @@ def expert_file_dtype(ckpt) -> torch.dtype:
     return ckpt.checkpoint_dtype
 
 
-def _host_copy(ckpt, pin: bool) -> dict:
-    key = id(ckpt)
-    if key not in _HOST_COPIES:
-        dtype = expert_file_dtype(ckpt)
+def experts_in(ckpt, dtype: torch.dtype, device="cpu", pin: bool = False) -> dict:
+    """Every MoE layer's (w13, w2) in `dtype` on `device` (pinned for CUDA copies with `pin`), cached
+    for the checkpoint's lifetime. Conversions between a bfloat16 checkpoint's values and float32
+    are exact both ways; where the loaded experts already are in `dtype` on `device`, `.to` returns
+    them themselves (no extra memory). New host copies go to huge pages."""
+    key = (id(ckpt), dtype, str(device), pin)
+    if key not in _EXPERT_COPIES:
         copy = {}
         for i in _moe_layers(ckpt):
             w = ckpt.layers[i]
-            # The experts were loaded from `dtype`, so converting back is exact; where they are
-            # already in it (a float32 checkpoint run in float32, or a checkpoint loaded with
-            # experts_in_checkpoint_dtype) `.to` returns the loaded tensor itself: no extra memory.
-            w13, w2 = w.w13.to("cpu", dtype), w.w2.to("cpu", dtype)
+            w13, w2 = w.w13.to(device, dtype), w.w2.to(device, dtype)
             if pin:
                 w13, w2 = w13.pin_memory(), w2.pin_memory()
             elif w13 is not w.w13:
                 w13, w2 = to_huge_pages(w13), to_huge_pages(w2)
             copy[i] = (w13, w2)
-        _HOST_COPIES[key] = copy
-        weakref.finalize(ckpt, _HOST_COPIES.pop, key, None)
-    return _HOST_COPIES[key]
+        _EXPERT_COPIES[key] = copy
+        weakref.finalize(ckpt, _EXPERT_COPIES.pop, key, None)
+    return _EXPERT_COPIES[key]
 
 
 class HostTier(ExpertTier):
@@ -99,7 +100,8 @@ class HostTier(ExpertTier):
 
     def __init__(self, ckpt, device: str):
         self.cuda = device == "cuda"
-        self.experts = _host_copy(ckpt, pin=self.cuda)
+        # in the file's dtype: the experts were loaded from it, so converting back is exact
+        self.experts = experts_in(ckpt, expert_file_dtype(ckpt), "cpu", pin=self.cuda)
         w13, w2 = next(iter(self.experts.values()))
         self.expert_bytes = w13[0].nbytes + w2[0].nbytes
 
