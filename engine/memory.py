@@ -15,6 +15,7 @@ how much of the process really sits in huge pages: the manifest records it as ev
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from pathlib import Path
@@ -28,6 +29,12 @@ MIN_BYTES = HUGE_PAGE  # smaller tensors stay where torch put them
 def huge_pages_supported() -> bool:
     if os.environ.get("MOEBENCH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
+    return _kernel_allows_huge_pages()
+
+
+@functools.cache
+def _kernel_allows_huge_pages() -> bool:
+    """Read once: every large allocation asks, and the kernel setting does not change under us."""
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:

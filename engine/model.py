@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +29,25 @@ class ForwardBatch:
     batch_size: int
     max_q: int
     context_blocks: torch.Tensor  # [B, max_blocks] KV blocks of each sequence's context, in order
-    attn_bias: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] 0 where attention is allowed, else -inf
     context_lens: torch.Tensor  # [B] context length of each sequence, this step's tokens included
     last_token_index: torch.Tensor  # [B] index into N of each sequence's last new token
+    num_cached: list[int]  # tokens of each sequence already in the cache before this step
+    block_size: int
+    sliding_window: int | None
+    dtype: torch.dtype
+
+    @cached_property
+    def attn_bias(self) -> torch.Tensor:
+        """[B, 1, max_q, max_blocks * block_size]: 0 where attention is allowed, else -inf. Built on
+        first use only: decode steps that run the paged decode kernel never need it."""
+        q_pos = torch.tensor(self.num_cached)[:, None] + torch.arange(self.max_q)  # [B, max_q]
+        k_pos = torch.arange(self.context_blocks.shape[1] * self.block_size)
+        allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < self.context_lens.cpu()[:, None, None])
+        if self.sliding_window:
+            allowed &= k_pos > q_pos[:, :, None] - self.sliding_window
+        # An additive float mask: SDPA's CPU kernel runs faster with it than with a boolean one.
+        bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+        return bias[:, None].to(self.context_blocks.device)
 
 
 def build_forward_batch(
@@ -52,13 +69,6 @@ def build_forward_batch(
         used = table[: -(-ctx // block_size)]
         # Padding repeats a block of the sequence's own: any valid id does, the bias masks it out.
         blocks.extend(used + [used[0]] * (max_blocks - len(used)))
-    q_pos = torch.tensor(num_cached)[:, None] + torch.arange(max_q)  # [B, max_q]
-    k_pos = torch.arange(max_blocks * block_size)
-    allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < torch.tensor(ctx_lens)[:, None, None])
-    if sliding_window:
-        allowed &= k_pos > q_pos[:, :, None] - sliding_window
-    # An additive float mask: SDPA's CPU kernel runs faster with it than with a boolean one.
-    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     last = torch.tensor(q_lens).cumsum(0) - 1
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, device=device),
@@ -68,9 +78,12 @@ def build_forward_batch(
         batch_size=B,
         max_q=max_q,
         context_blocks=torch.tensor(blocks).view(B, max_blocks).to(device),
-        attn_bias=bias[:, None].to(device),
         context_lens=torch.tensor(ctx_lens, device=device),
         last_token_index=last.to(device),
+        num_cached=list(num_cached),
+        block_size=block_size,
+        sliding_window=sliding_window,
+        dtype=dtype,
     )
 
 

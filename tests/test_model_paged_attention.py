@@ -47,9 +47,11 @@ def _decode_logits(model, ckpt, prompts, tables, num_blocks):
     return model.forward(batch, kv)
 
 
-def test_batched_decode_over_scattered_blocks_equals_each_sequence_alone(tmp_path):
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["paged-kernel", "gather-sdpa"])
+def test_batched_decode_over_scattered_blocks_equals_each_sequence_alone(tmp_path, decode_kernel):
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, "qwen3_e7_k4"))
     model = _model(ckpt)
+    model.fast_decode_attention = decode_kernel
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, ckpt.config.vocab_size, (n,), generator=g).tolist() for n in (3, 14, 9, 22)]
     need = [-(-len(p) // BLOCK) for p in prompts]
@@ -62,6 +64,9 @@ def test_batched_decode_over_scattered_blocks_equals_each_sequence_alone(tmp_pat
     for i, ids in enumerate(prompts):
         alone = _decode_logits(model, ckpt, [ids], [list(range(need[i]))], need[i])
         assert (together[i] - alone[0]).abs().max().item() <= 1e-5
+    # both decode paths compute the same attention
+    model.fast_decode_attention = not decode_kernel
+    assert (_decode_logits(model, ckpt, prompts, tables, sum(need)) - together).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("window", [None, 6])
