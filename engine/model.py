@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
+from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.reference import route_softmax_topk
 
@@ -131,7 +132,7 @@ class MoeTransformer:
         self.scale = self.cfg.head_dim ** -0.5
         # decode steps read the paged KV cache directly (kernels/cpu_attention.py) where the kernel
         # applies; MOEBENCH_DECODE_ATTENTION=torch keeps the gather + SDPA path
-        self.fast_decode_attention = os.environ.get("MOEBENCH_DECODE_ATTENTION", "kernel") != "torch"
+        self.fast_decode_attention = os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "torch"
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]

@@ -228,6 +228,8 @@ def _default_run_id(ckpt, suite_name: str) -> str:
 
 def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     from moebench.engine.memory import huge_page_bytes
+    from moebench.kernels import fused_backend
+    from moebench.kernels.cpu_attention import decode_attention_backend
     from moebench.machine import describe_machine, git_commit, package_versions
 
     return {
@@ -247,6 +249,9 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
             "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
             # evidence that weights and KV cache landed in huge pages (engine/memory.py)
             "huge_page_bytes": huge_page_bytes(),
+            # which implementations run (a compiled kernel, or the torch fallback)
+            "fused_moe_backend": fused_backend(runtime.device),
+            "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
         },
         "repeats": args["repeats"],
         "warmup_items": args["warmup"],

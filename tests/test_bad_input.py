@@ -130,3 +130,10 @@ def test_run_writes_valid_results(capsys, monkeypatch, good_model, data_dir, tmp
     assert sample["output_tokens"] >= 1 and sample["finish_reason"] in ("stop", "length")
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["model"]["model_type"] == "qwen3_moe" and manifest["suite"]["name"] == "gsm8k"
+    from moebench.kernels import fused_backend
+    from moebench.kernels.cpu_attention import decode_attention_backend
+
+    runtime = manifest["runtime"]  # which implementations ran, as this process would choose them
+    assert runtime["fused_moe_backend"] == fused_backend("cpu")
+    assert runtime["decode_attention"] == decode_attention_backend("cpu", torch.float32)
+    assert isinstance(runtime["huge_page_bytes"], int)
