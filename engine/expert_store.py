@@ -71,6 +71,10 @@ class _Counters:
         return out
 
 
+class _NeverRaised(Exception):
+    """Stands for the native loader's error class where no native loader runs."""
+
+
 def _ratio(a, b):
     return a / b if b else None
 
@@ -190,11 +194,25 @@ class PooledStore(ExpertStore):
         self.stage_of = {i: self.stages[p % stages] for p, i in enumerate(moe)}
         self.staging_bytes = stages * stage_rows * self.expert_pool_bytes
         self.workers = workers
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-prefetch") if workers else None
+        # Loads run on native threads that never take the GIL where the tier can describe them
+        # (`moebench.kernels.expert_loader`), else on Python threads.
+        native = not self.cuda and tier.prepare_native(dtype)
+        self.native = bool(workers) and native
+        self.row_bytes = (self.w13[0].nbytes, self.w2[0].nbytes)
+        self._load_error = _NeverRaised
+        if self.native:
+            from moebench.kernels.expert_loader import load_extension
+
+            self._load_error = load_extension().LoadError
         # Demand loads get readers of their own: queued behind prefetches already running (some of
         # them wrong guesses) they would wait for the disk twice.
-        self.demand_executor = (ThreadPoolExecutor(workers, thread_name_prefix="moebench-demand")
-                                if parallel_demand and workers > 1 else None)
+        demand = parallel_demand and workers > 1
+        if self.native:
+            self.executor = tier.native_loader(workers)
+            self.demand_executor = tier.native_loader(workers) if demand else None
+        else:
+            self.executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-prefetch") if workers else None
+            self.demand_executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-demand") if demand else None
         self.side_stream = torch.cuda.Stream() if self.cuda and workers else None
         self.pending: tuple[int, list[int]] | None = None
         self.counters = _Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
@@ -215,11 +233,19 @@ class PooledStore(ExpertStore):
             done.record(self.side_stream)
         return done
 
-    def _submit(self, layer: int, loads: list[tuple[int, torch.Tensor, torch.Tensor]], executor) -> list[Future]:
-        """Queue (expert, w13_dst, w2_dst) loads as at most one job per worker, each load with its own
-        future. One wake-up per worker, not per expert: on a busy CPU every hand-over of the GIL to a
-        freshly woken thread costs a scheduler slice. A load whose future was cancelled before its
-        turn is skipped."""
+    def _submit(self, layer: int, loads: list[tuple[int, int]], executor) -> list:
+        """Queue (expert, buffer row) loads; -> one future-like handle each (cancel, done, result).
+
+        Native: one call describes them all and its workers never take the GIL. Python threads: at
+        most one job per worker, so one wake-up per worker, not per expert (on a busy CPU every
+        hand-over of the GIL to a freshly woken thread costs a scheduler slice); a load whose future
+        was cancelled before its turn is skipped."""
+        if self.native:
+            base13, base2 = self.w13.data_ptr(), self.w2.data_ptr()
+            n13, n2 = self.row_bytes
+            describe = self.tier.describe
+            return executor.submit([describe(layer, e, base13 + row * n13, base2 + row * n2) for e, row in loads])
+        loads = [(e, self.w13[row], self.w2[row]) for e, row in loads]
         after = None
         if self.side_stream is not None:
             after = torch.cuda.Event()
@@ -250,7 +276,10 @@ class PooledStore(ExpertStore):
 
     def _finish(self, fut: Future) -> None:
         """Wait for one load (re-raising its error) and order the compute stream after it."""
-        done = fut.result()
+        try:
+            done = fut.result()
+        except self._load_error as e:  # a native read that came back short or failed
+            raise MoebenchError(str(e)) from None
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
 
@@ -372,17 +401,16 @@ class PooledStore(ExpertStore):
         for e in misses:
             slot = self._claim(pool, e, need)
             if slot is not None:
-                loads.append((e, pool.w13[slot], pool.w2[slot]))
+                loads.append((e, pool.first_row + slot))
             else:
-                row = self._stage_row(stage, e)
-                loads.append((e, stage.w13[row], stage.w2[row]))
+                loads.append((e, stage.first_row + self._stage_row(stage, e)))
         t0 = time.perf_counter()
         if self.demand_executor is not None and len(loads) > 1:
             for f in self._submit(layer, loads, self.demand_executor):
                 self._finish(f)
         else:  # the baseline: one at a time, on the critical path (the compute stream on CUDA)
-            for e, w13, w2 in loads:
-                self.tier.load(layer, e, w13, w2)
+            for e, row in loads:
+                self.tier.load(layer, e, self.w13[row], self.w2[row])
         return time.perf_counter() - t0
 
     def _weights(self, pool: _Pool, stage: _Stage, topk_ids):
@@ -445,17 +473,16 @@ class PooledStore(ExpertStore):
                 continue
             slot = self._claim(pool, e, keep)
             if slot is not None:
-                loads.append((e, pool.w13[slot], pool.w2[slot]))
+                loads.append((e, pool.first_row + slot))
                 targets.append(pool)
             elif can_stage:
-                row = self._stage_row(stage, e)
-                loads.append((e, stage.w13[row], stage.w2[row]))
+                loads.append((e, stage.first_row + self._stage_row(stage, e)))
                 targets.append(stage)
             else:
                 break
         if not loads:
             return
-        for (e, _, _), where, fut in zip(loads, targets, self._submit(layer, loads, self.executor)):
+        for (e, _), where, fut in zip(loads, targets, self._submit(layer, loads, self.executor)):
             where.loading[e] = fut
             where.prefetched.add(e)
         self.counters.add("prefetch_issued", len(loads))
@@ -489,6 +516,7 @@ class PooledStore(ExpertStore):
             "staging_bytes": self.staging_bytes,
             **self.tier.evidence(),
             "load_workers": self.workers,
+            "native_loader": self.native,
             "lookups": lookups,
             "expert_hits": t["expert_hits"],
             "expert_misses": t["expert_misses"],
@@ -514,7 +542,11 @@ class PooledStore(ExpertStore):
 
     def close(self):
         for ex in (self.executor, self.demand_executor):
-            if ex is not None:
+            if ex is None:
+                continue
+            if self.native:
+                ex.close()  # cancels what is queued, waits for running loads, joins the workers
+            else:
                 ex.shutdown(wait=True, cancel_futures=True)
         self.executor = self.demand_executor = None
         self.tier.close()

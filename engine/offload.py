@@ -38,8 +38,41 @@ class ExpertTier:
     name = "base"
     batched = False  # whether load_many does a batch in one call (else it is a loop over load)
 
+    def __init__(self):
+        self.loaders = []  # native loaders made by `native_loader`, for counters and close
+        self.sync = None  # a thread-less native loader once `prepare_native` succeeded
+
     def load(self, layer: int, expert: int, w13_dst: torch.Tensor, w2_dst: torch.Tensor) -> int:
         raise NotImplementedError
+
+    # Native loads (`moebench.kernels.expert_loader`): the tier describes a load as integers and a
+    # native worker, which never takes the GIL, does it. A tier that cannot, or a destination it
+    # cannot describe (CUDA, an odd layout), keeps its Python `load`.
+
+    def prepare_native(self, dst_dtype: torch.dtype) -> bool:
+        """Get ready to describe loads into slots of `dst_dtype`; False where this tier cannot."""
+        return False
+
+    def describe(self, layer: int, expert: int, w13_addr: int, w2_addr: int) -> tuple:
+        """One expert's load into the slot whose w13 and w2 rows start at these addresses."""
+        raise NotImplementedError
+
+    def run_native(self, loads: list[tuple]) -> None:
+        """Loads described by `describe`, now, in this thread (the GIL released while they run)."""
+        from moebench.kernels.expert_loader import load_extension
+
+        try:
+            self.sync.run(loads)
+        except load_extension().LoadError as e:  # a short or failed read: loud, never a slot of garbage
+            raise MoebenchError(str(e)) from None
+
+    def native_loader(self, threads: int):
+        """A native loader with `threads` workers (0: it only runs loads in the caller's thread)."""
+        from moebench.kernels.expert_loader import load_extension
+
+        loader = load_extension().Loader(threads)
+        self.loaders.append(loader)
+        return loader
 
     def load_many(self, layer: int, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Several (expert, w13_dst, w2_dst) loads of one layer, in order."""
@@ -50,7 +83,19 @@ class ExpertTier:
         return {"tier": self.name}
 
     def close(self) -> None:
-        pass
+        for loader in self.loaders:
+            loader.close()
+
+
+def _native_available(dst_dtype: torch.dtype, src_dtype: torch.dtype, device: str) -> bool:
+    from moebench.kernels.expert_loader import conversion, load_extension
+
+    return device == "cpu" and conversion(src_dtype, dst_dtype) is not None and load_extension() is not None
+
+
+def _native_slot(w13_dst: torch.Tensor, w2_dst: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (w13_dst.dtype == w2_dst.dtype == dtype and w13_dst.device.type == "cpu"
+            and w13_dst.is_contiguous() and w2_dst.is_contiguous())
 
 
 def _moe_layers(ckpt) -> list[int]:
@@ -99,13 +144,39 @@ class HostTier(ExpertTier):
     batched = True
 
     def __init__(self, ckpt, device: str):
+        super().__init__()
         self.cuda = device == "cuda"
         # in the file's dtype: the experts were loaded from it, so converting back is exact
         self.experts = experts_in(ckpt, expert_file_dtype(ckpt), "cpu", pin=self.cuda)
         w13, w2 = next(iter(self.experts.values()))
         self.expert_bytes = w13[0].nbytes + w2[0].nbytes
 
+    def prepare_native(self, dst_dtype):
+        from moebench.kernels.expert_loader import conversion
+
+        if self.cuda or not all(w.is_contiguous() for pair in self.experts.values() for w in pair):
+            return False
+        src_dtype = next(iter(self.experts.values()))[0].dtype
+        if not _native_available(dst_dtype, src_dtype, "cpu"):
+            return False
+        kind = conversion(src_dtype, dst_dtype)
+        # per layer: (w13 base address, bytes per expert, w2 base address, bytes per expert)
+        self._sources = {i: (w13.data_ptr(), w13[0].nbytes, w2.data_ptr(), w2[0].nbytes)
+                         for i, (w13, w2) in self.experts.items()}
+        self._kind, self._dst_dtype = kind, dst_dtype
+        self.sync = self.native_loader(0)
+        return True
+
+    def describe(self, layer, expert, w13_addr, w2_addr):
+        a13, n13, a2, n2 = self._sources[layer]
+        k = self._kind
+        return (-1, 0, 0, 0, False, "host", [(a13 + expert * n13, w13_addr, n13, k), (a2 + expert * n2, w2_addr, n2, k)])
+
     def load(self, layer, expert, w13_dst, w2_dst):
+        if self.sync is not None and _native_slot(w13_dst, w2_dst, self._dst_dtype):
+            # what the worker threads do, in the model's thread (the baseline's demand loads)
+            self.run_native([self.describe(layer, expert, w13_dst.data_ptr(), w2_dst.data_ptr())])
+            return self.expert_bytes
         w13, w2 = self.experts[layer]
         # non_blocking only matters on CUDA (pinned source -> async DMA on the caller's stream).
         w13_dst.copy_(w13[expert], non_blocking=self.cuda)
@@ -155,6 +226,7 @@ class DiskTier(ExpertTier):
     name = "disk"
 
     def __init__(self, ckpt, readers: int = 4, direct: bool = True):
+        super().__init__()
         if not ckpt.expert_sources:
             raise MoebenchError(
                 f"{ckpt.path}: --offload-tier disk needs one tensor per expert in the safetensors files "
@@ -192,6 +264,39 @@ class DiskTier(ExpertTier):
         self._lock = threading.Lock()
         self.requests = 0
         self.bytes_read = 0
+
+    def prepare_native(self, dst_dtype):
+        """One read per expert (gate, up and down adjacent, the usual layout), described once: the file
+        range rounded out for O_DIRECT and where each part lands in the slot."""
+        from moebench.kernels.expert_loader import conversion
+
+        if any(len(extents) != 1 for extents in self.extents.values()):
+            return False
+        if not all(_native_available(dst_dtype, p[2], "cpu") for (ext,) in self.extents.values() for p in ext.parts):
+            return False
+        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        up_offset = inter * hidden * torch.empty(0, dtype=dst_dtype).element_size()
+        self._described = {}
+        for key, (ext,) in self.extents.items():
+            if self.mode == "o_direct":
+                start = ext.start // _ALIGN * _ALIGN
+                length = -(-(ext.end - start) // _ALIGN) * _ALIGN
+            else:
+                start, length = ext.start, ext.end - ext.start
+            # (offset in what was read, 0: into w13 / 1: into w2, byte offset there, bytes, kind)
+            parts = [(off - start, 1 if which == 2 else 0, up_offset if which == 1 else 0, nbytes,
+                      conversion(dtype, dst_dtype)) for off, nbytes, dtype, _, which in ext.parts]
+            self._described[key] = (self.fds[ext.file], start, length, ext.end - start, self.mode == "fadvise",
+                                    ext.file, parts)
+        self._dst_dtype = dst_dtype
+        self.sync = self.native_loader(0)
+        return True
+
+    def describe(self, layer, expert, w13_addr, w2_addr):
+        fd, start, length, needed, fadvise, label, parts = self._described[(layer, expert)]
+        dst = (w13_addr, w2_addr)
+        return (fd, start, length, needed, fadvise, label,
+                [(src, dst[into] + at, nbytes, kind) for src, into, at, nbytes, kind in parts])
 
     @staticmethod
     def _direct_works(f: str) -> bool:
@@ -245,6 +350,9 @@ class DiskTier(ExpertTier):
         return buf, ext.start - start
 
     def load(self, layer, expert, w13_dst, w2_dst):
+        if self.sync is not None and _native_slot(w13_dst, w2_dst, self._dst_dtype):
+            self.run_native([self.describe(layer, expert, w13_dst.data_ptr(), w2_dst.data_ptr())])
+            return self.expert_bytes
         inter = self.cfg.moe_intermediate_size
         dsts = (w13_dst[:inter], w13_dst[inter:], w2_dst)  # gate, up, down
         for ext in self.extents[(layer, expert)]:
@@ -257,9 +365,11 @@ class DiskTier(ExpertTier):
 
     def evidence(self):
         return {"tier": self.name, "read_mode": self.mode, "readers": self.readers,
-                "disk_requests": self.requests, "disk_bytes_read": self.bytes_read}
+                "disk_requests": self.requests + sum(x.reads for x in self.loaders),
+                "disk_bytes_read": self.bytes_read + sum(x.bytes_read for x in self.loaders)}
 
     def close(self):
+        super().close()
         for fd in self.fds.values():
             try:
                 os.close(fd)

@@ -1,6 +1,7 @@
 """prefetch=lookahead: the prediction uses the next layer's router, precision and recall are counted
 right, wrong predictions cost nothing once cancelled, and an inactive prefetcher is an error."""
 
+import os
 import threading
 
 import pytest
@@ -31,6 +32,9 @@ class GatedTier(HostTier):
     def __init__(self, ckpt, gated=()):
         super().__init__(ckpt, "cpu")
         self.gated, self.gate, self.started, self.loads = set(gated), threading.Event(), threading.Event(), []
+
+    def prepare_native(self, dst_dtype):
+        return False  # loads stay in Python, where the gate can hold them (native ones: tests below)
 
     def load(self, layer, expert, w13_dst, w2_dst):
         if expert in self.gated:
@@ -164,3 +168,80 @@ def test_no_prefetch_hits_is_an_activation_error(ckpt):
     store.fetch(1, torch.tensor([[8, 1]]))
     assert pf.activation_errors(store) == []
     store.close()
+
+
+# ---------------------------------------------------------------------------- native loader
+# The default path on CPU: loads run on native threads that never take the GIL. `hold` keeps them
+# queued, as the gate above does for Python loads.
+
+native = pytest.mark.skipif(__import__("moebench.kernels.expert_loader", fromlist=["x"]).load_extension() is None,
+                            reason="native expert loader not built")
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@native
+def test_native_wrong_prediction_is_cancelled_and_needed_one_waited_for(ckpt):
+    store = store_for(ckpt, tier=HostTier(ckpt, "cpu"))
+    assert store.native and store.evidence()["native_loader"]
+    store.executor.hold(True)
+    store.plan_prefetch(1, [8, 9])
+    store.fetch(0, torch.tensor([[0, 1]]))
+    threading.Timer(0.05, store.executor.hold, (False,)).start()
+    w13, w2, ids = store.fetch(1, torch.tensor([[8, 5]]))  # 8 predicted (queued: waited for), 9 not needed
+    want = torch.tensor([[8, 5]])
+    assert torch.equal(w13[ids], ckpt.layers[1].w13[want]) and torch.equal(w2[ids], ckpt.layers[1].w2[want])
+    ev = store.evidence()
+    assert ev["prefetch_cancelled"] == 1 and 9 not in store.pools[1].slot_of
+    assert ev["late_hits"] == 1 and ev["prefetch_hits"] == 1 and ev["stall_s"] >= 0.02
+    store.close()
+
+
+@native
+def test_native_close_with_loads_queued_leaves_no_thread(ckpt):
+    before = _threads()
+    store = store_for(ckpt, tier=HostTier(ckpt, "cpu"), workers=2)
+    assert _threads() == before + 2
+    store.executor.hold(True)
+    store.plan_prefetch(1, [8, 9, 10])
+    store.fetch(0, torch.tensor([[0, 1]]))
+    store.close()  # cancels the queued loads, joins the workers
+    assert _threads() == before
+
+
+@native
+def test_native_loader_copies_and_upcasts_exactly(tmp_path):
+    from moebench.kernels import expert_loader as el
+
+    ext = el.load_extension()
+    src = torch.randn(3, 1000).to(torch.bfloat16)
+    half = torch.randn(1000).to(torch.float16)
+    out32, outbf = torch.empty(3, 1000), torch.empty(3, 1000, dtype=torch.bfloat16)
+    out16 = torch.empty(1000)
+    loader = ext.Loader(2)
+    tickets = loader.submit([(-1, 0, 0, 0, False, "mem", [el.memory_segment(src[i], out32[i]),
+                                                          el.memory_segment(src[i], outbf[i])]) for i in range(3)]
+                            + [(-1, 0, 0, 0, False, "mem", [el.memory_segment(half, out16)])])
+    for t in tickets:
+        t.result()
+    assert torch.equal(out32, src.float()) and torch.equal(outbf, src) and torch.equal(out16, half.float())
+    # a file range: read, then parts of it land where the segments say; a short read is an error
+    data = torch.randn(4096).to(torch.bfloat16)
+    path = tmp_path / "blob"
+    path.write_bytes(b"x" * 100 + data.view(torch.int16).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = torch.empty(4096)
+        loader.run([(fd, 0, 100 + data.nbytes, 100 + data.nbytes, False, "blob", [(100, got.data_ptr(), data.nbytes,
+                                                                                   el.BF16_TO_F32)])])
+        assert torch.equal(got, data.float())
+        with pytest.raises(ext.LoadError, match="blob: short read"):
+            loader.run([(fd, 0, 2 * data.nbytes, 2 * data.nbytes, False, "blob", [])])
+        (t,) = loader.submit([(fd, 0, 2 * data.nbytes, 2 * data.nbytes, False, "blob", [])])
+        with pytest.raises(ext.LoadError, match="short read"):
+            t.result()
+    finally:
+        os.close(fd)
+        loader.close()

@@ -1,0 +1,90 @@
+"""Native expert loads: copy (and upcast) experts into fast-pool slots on threads that never take the GIL.
+
+`csrc/expert_loader.cpp` is a small C++ extension of its own (plain C++, no SIMD flags), compiled at
+first use like the CPU MoE kernel. A load is described as plain integers, so the worker threads
+never touch a Python object:
+
+    (fd, offset, length, needed, fadvise, label, [(src, dst, src_bytes, kind), ...])
+
+fd = -1: each segment copies `src_bytes` from address `src` to address `dst`; otherwise the worker
+first reads `length` bytes at `offset` of the file (into its own page-aligned buffer, so O_DIRECT
+works; the caller rounds offset and length), checks at least `needed` came back, and `src` is an
+offset into what it read. `kind` converts: COPY (same dtype), BF16_TO_F32, F16_TO_F32 (both exact).
+
+`Loader(threads).submit(loads)` queues loads and returns one ticket each (`cancel()` while queued,
+`done()`, `result()` waits with the GIL released and raises `LoadError` on a short or failed read);
+`Loader.run(loads)` does them in the calling thread, GIL released (`Loader(0)` has no threads and
+only runs); `close()` cancels what is queued and joins the workers. `reads` and `bytes_read` count
+the file reads done. `label` (the file) names the file in errors.
+
+Environment: MOEBENCH_EXPERT_LOADER = auto (default) | native (fail loudly if it cannot build) |
+python (the thread-pool fallback in `moebench.engine.expert_store`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+COPY, BF16_TO_F32, F16_TO_F32 = 0, 1, 2
+_KINDS = {(torch.bfloat16, torch.float32): BF16_TO_F32, (torch.float16, torch.float32): F16_TO_F32}
+
+CSRC = Path(__file__).resolve().parent / "csrc" / "expert_loader.cpp"
+EXTENSION_NAME = "moebench_expert_loader"
+
+_lock = threading.Lock()
+_ext = None
+_tried = False
+failure: str | None = None
+
+
+def _mode() -> str:
+    mode = os.environ.get("MOEBENCH_EXPERT_LOADER", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "native", "python"):
+        raise ValueError(f"MOEBENCH_EXPERT_LOADER={mode!r}: expected auto, native or python")
+    return mode
+
+
+def load_extension():
+    """The compiled module (Loader, Ticket, LoadError), building it on first call; None if unavailable."""
+    global _ext, _tried, failure
+    if _tried:
+        return _ext
+    with _lock:
+        if _tried:
+            return _ext
+        mode = _mode()
+        if mode == "python":
+            failure = "disabled by MOEBENCH_EXPERT_LOADER=python"
+        else:
+            try:
+                from torch.utils.cpp_extension import load
+
+                from .cpu_moe import find_ninja
+
+                if find_ninja() is None:
+                    raise RuntimeError("ninja not found (pip install ninja)")
+                _ext = load(name=EXTENSION_NAME, sources=[str(CSRC)], extra_cflags=["-O3"], verbose=False)
+            except Exception as e:  # no compiler, no ninja, read-only cache...
+                failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                if mode == "native":
+                    _tried = True
+                    raise RuntimeError(f"moebench: cannot build the native expert loader: {failure}") from e
+                warnings.warn(f"moebench: native expert loader unavailable ({failure}); loads run on Python "
+                              "threads (same results, more GIL contention)", RuntimeWarning, stacklevel=3)
+        _tried = True
+        return _ext
+
+
+def conversion(src: torch.dtype, dst: torch.dtype) -> int | None:
+    """The segment kind that turns `src` values into `dst` ones exactly; None if there is none."""
+    return COPY if src == dst else _KINDS.get((src, dst))
+
+
+def memory_segment(src: torch.Tensor, dst: torch.Tensor) -> tuple[int, int, int, int]:
+    """A segment copying tensor `src` into `dst` (both contiguous, same element count)."""
+    return src.data_ptr(), dst.data_ptr(), src.nbytes, conversion(src.dtype, dst.dtype)
