@@ -208,13 +208,15 @@ class PooledStore(ExpertStore):
         # them wrong guesses) they would wait for the disk twice.
         demand = parallel_demand and workers > 1
         if self.native:
-            self.executor = tier.native_loader(workers)
-            self.demand_executor = tier.native_loader(workers) if demand else None
+            # Between two MoE layers' plans a decode step computes ~0.1-2 ms here; a worker that
+            # sleeps in between costs a wake-up (tens of microseconds on a VM) at every plan.
+            spin = int(runtime.extra.get("loader_spin_us", 2000))
+            self.executor = tier.native_loader(workers, spin)
+            self.demand_executor = tier.native_loader(workers, spin) if demand else None
         else:
             self.executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-prefetch") if workers else None
             self.demand_executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-demand") if demand else None
         self.side_stream = torch.cuda.Stream() if self.cuda and workers else None
-        self.pending: tuple[int, list[int]] | None = None
         self.counters = _Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
                                    "predicted", "needed_predicted", "predicted_needed", "staged"))
 
@@ -388,7 +390,6 @@ class PooledStore(ExpertStore):
         c.add("stall_s", stall)
         out = self._weights(pool, stage, topk_ids)
         stage.layer = None  # consumed: what this call staged is not kept for a later one
-        self._issue_pending(layer)
         return out
 
     def _load_misses(self, layer, pool, stage, misses, need) -> float:
@@ -444,42 +445,34 @@ class PooledStore(ExpertStore):
 
     # ------------------------------------------------------------------ prefetch
 
-    def plan_prefetch(self, layer: int, experts: list[int]) -> None:
-        """Prefetch `experts` (most wanted first) for `layer`'s next call once the current call's own
-        experts are in place; the plan is issued at the end of the next `fetch`."""
-        self.pending = (layer, experts)
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Start loading `experts` (distinct, most wanted first) for `layer`'s next call, now: predicted
+        residents become most recently used; missing ones go to LRU slots of experts not predicted, and
+        once none is free (the prediction is larger than the pool) to the layer's stage.
 
-    def _issue_pending(self, current: int) -> None:
-        """Issue the plan: predicted residents become most recently used; missing ones go to LRU slots
-        of experts not predicted, and once none is free (the prediction is larger than the pool) to
-        the layer's stage. Never into the pool or stage the current call is about to compute with."""
-        if self.pending is None or self.executor is None:
-            return
-        layer, experts = self.pending
-        self.pending = None
-        if layer == current:
+        Called between MoE calls, so on CPU no kernel is reading any pool or stage; on CUDA a queued
+        kernel may still read a stage, and the copies wait for the compute stream (see `_submit`)."""
+        if self.executor is None:
             return
         pool, stage = self.pools[layer], self.stage_of[layer]
-        can_stage = stage is not self.stage_of[current]
-        if can_stage and stage.layer != layer:
+        if stage.layer != layer:
             self._reset_stage(stage, layer)
         pool.predicted = keep = set(experts)
+        slot_of = pool.slot_of
         for e in reversed(experts):  # predicted residents become the most recently used
-            if e in pool.slot_of:
-                pool.slot_of.move_to_end(e)
+            if e in slot_of:
+                slot_of.move_to_end(e)
         loads, targets = [], []
         for e in experts:
-            if e in pool.slot_of or e in stage.row_of:
+            if e in slot_of or e in stage.row_of:
                 continue
             slot = self._claim(pool, e, keep)
             if slot is not None:
                 loads.append((e, pool.first_row + slot))
                 targets.append(pool)
-            elif can_stage:
+            else:
                 loads.append((e, stage.first_row + self._stage_row(stage, e)))
                 targets.append(stage)
-            else:
-                break
         if not loads:
             return
         for (e, _), where, fut in zip(loads, targets, self._submit(layer, loads, self.executor)):
@@ -555,8 +548,11 @@ class PooledStore(ExpertStore):
 class NoPrefetch:
     name = "off"
 
-    def before_layer(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        pass
+    def before_forward(self, h: torch.Tensor) -> None:
+        """The embeddings of a forward pass, before its first layer."""
+
+    def after_layer(self, layer: int, h: torch.Tensor) -> None:
+        """The residual stream once MoE layer `layer` has added its output."""
 
     def evidence(self) -> dict:
         return {}
@@ -653,5 +649,5 @@ def make_store_and_prefetcher(ckpt, runtime):
     if runtime.prefetch == "lookahead":
         from moebench.engine.prefetch import LookaheadPrefetcher
 
-        return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 0)))
+        return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 1)))
     return store, NoPrefetch()

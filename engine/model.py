@@ -26,16 +26,29 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
-    padded_index: torch.Tensor  # [N] position of each token in the [B * max_q] padded layout
     batch_size: int
     max_q: int
     context_blocks: torch.Tensor  # [B, max_blocks] KV blocks of each sequence's context, in order
     context_lens: torch.Tensor  # [B] context length of each sequence, this step's tokens included
-    last_token_index: torch.Tensor  # [B] index into N of each sequence's last new token
     num_cached: list[int]  # tokens of each sequence already in the cache before this step
+    q_lens: list[int]  # new tokens of each sequence
+    max_position: int  # the largest position in `positions`
     block_size: int
     sliding_window: int | None
     dtype: torch.dtype
+
+    @cached_property
+    def padded_index(self) -> torch.Tensor:
+        """[N] position of each token in the [B * max_q] padded layout (prefill attention only)."""
+        padded = []
+        for b, q in enumerate(self.q_lens):
+            padded.extend(range(b * self.max_q, b * self.max_q + q))
+        return torch.tensor(padded, device=self.input_ids.device)
+
+    @cached_property
+    def last_token_index(self) -> torch.Tensor:
+        """[B] index into N of each sequence's last new token."""
+        return (torch.tensor(self.q_lens).cumsum(0) - 1).to(self.input_ids.device)
 
     @cached_property
     def attn_bias(self) -> torch.Tensor:
@@ -55,33 +68,44 @@ def build_forward_batch(
     new_tokens: list[list[int]], num_cached: list[int], block_tables: list[list[int]],
     block_size: int, device: str, sliding_window: int | None = None, dtype: torch.dtype = torch.float32,
 ) -> ForwardBatch:
-    """Index tensors of one step. Built from flat Python lists and a few whole-batch tensor ops,
-    so the cost per sequence is list work, not tensor calls."""
+    """Index tensors of one step. Built from flat Python lists and one tensor for all of them
+    (the fields are views of it), so the cost per sequence is list work, not tensor calls."""
     q_lens = [len(t) for t in new_tokens]
     B, max_q = len(new_tokens), max(q_lens)
-    ctx_lens = [c + q for c, q in zip(num_cached, q_lens)]
-    max_blocks = -(-max(ctx_lens) // block_size)
-    input_ids, positions, slots, padded, blocks = [], [], [], [], []
-    for b, (tokens, cached, table, ctx) in enumerate(zip(new_tokens, num_cached, block_tables, ctx_lens)):
-        input_ids.extend(tokens)
-        positions.extend(range(cached, ctx))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(cached, ctx))
-        padded.extend(range(b * max_q, b * max_q + len(tokens)))
+    num_cached = list(num_cached)
+    if max_q == 1:  # decode: one token per sequence, at position num_cached
+        input_ids = [t[0] for t in new_tokens]
+        positions = num_cached
+        ctx_lens = [c + 1 for c in num_cached]
+        slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, num_cached)]
+    else:
+        input_ids, positions, slots = [], [], []
+        ctx_lens = [c + q for c, q in zip(num_cached, q_lens)]
+        for tokens, cached, table, ctx in zip(new_tokens, num_cached, block_tables, ctx_lens):
+            input_ids.extend(tokens)
+            positions.extend(range(cached, ctx))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(cached, ctx))
+    max_ctx = max(ctx_lens)
+    max_blocks = -(-max_ctx // block_size)
+    blocks = []
+    for table, ctx in zip(block_tables, ctx_lens):
         used = table[: -(-ctx // block_size)]
         # Padding repeats a block of the sequence's own: any valid id does, the bias masks it out.
-        blocks.extend(used + [used[0]] * (max_blocks - len(used)))
-    last = torch.tensor(q_lens).cumsum(0) - 1
+        blocks.extend(used)
+        blocks.extend(used[:1] * (max_blocks - len(used)))
+    N = len(input_ids)
+    flat = torch.tensor(input_ids + positions + slots + ctx_lens + blocks).to(device)
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, device=device),
-        positions=torch.tensor(positions, device=device),
-        slot_mapping=torch.tensor(slots, device=device),
-        padded_index=torch.tensor(padded, device=device),
+        input_ids=flat[:N],
+        positions=flat[N : 2 * N],
+        slot_mapping=flat[2 * N : 3 * N],
         batch_size=B,
         max_q=max_q,
-        context_blocks=torch.tensor(blocks).view(B, max_blocks).to(device),
-        context_lens=torch.tensor(ctx_lens, device=device),
-        last_token_index=last.to(device),
-        num_cached=list(num_cached),
+        context_blocks=flat[3 * N + B :].view(B, max_blocks),
+        context_lens=flat[3 * N : 3 * N + B],
+        num_cached=num_cached,
+        q_lens=q_lens,
+        max_position=max_ctx - 1,
         block_size=block_size,
         sliding_window=sliding_window,
         dtype=dtype,
@@ -106,11 +130,15 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def ensure(self, max_position: int) -> None:
+        """Grow the tables to hold `max_position`."""
+        if max_position >= self.cos.shape[0]:
+            self._build(2 * max_position + 1)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None):
         """cos and sin rows of `positions`, [N, 1, head_dim]: looked up once per forward, used by
         every layer's q and k."""
-        if int(positions.max()) >= self.cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
+        self.ensure(int(positions.max()) if max_position is None else max_position)
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     @staticmethod
@@ -122,7 +150,14 @@ class RotaryEmbedding:
 
 
 class MoeTransformer:
-    """Forward pass over a `Checkpoint`. `moe_block(layer, x)` is injected: it owns routing-to-output."""
+    """Forward pass over a `Checkpoint`. `moe_block(layer, x, h)` is injected: it owns routing-to-output
+    and returns h + its output.
+
+    On the CPU in float32 the small ops of a step run in the C++ extension (kernels/csrc/
+    attention_cpu.cpp) where it is built: residual add + RMSNorm in one call, a decode step's
+    attention from the qkv projection to the output projection in one call, the router's top-k.
+    Each computes exactly what the torch ops it replaces compute (tests compare bit for bit);
+    matmuls, softmax and the RMSNorm mean stay torch's own."""
 
     def __init__(self, ckpt: Checkpoint, moe_block):
         self.ckpt = ckpt
@@ -133,11 +168,22 @@ class MoeTransformer:
         # decode steps read the paged KV cache directly (kernels/cpu_attention.py) where the kernel
         # applies; MOEBENCH_DECODE_ATTENTION=torch keeps the gather + SDPA path
         self.fast_decode_attention = os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "torch"
+        # the extension's exact small ops (None: torch ops only)
+        self.ops = cpu_step_ops() if ckpt.embed.device.type == "cpu" and ckpt.embed.dtype == torch.float32 else None
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
         N = x.shape[0]
-        q, k, v = F.linear(x, w.qkv_proj, w.qkv_bias).split(
+        B, Lq = batch.batch_size, batch.max_q
+        qkv = F.linear(x, w.qkv_proj, w.qkv_bias)
+        if Lq == 1 and self.fast_decode_attention and self.ops is not None and kv.k[layer_idx].dtype == torch.float32:
+            out = self.ops.decode_attention_block(
+                qkv, w.q_norm if cfg.qk_norm else None, w.k_norm if cfg.qk_norm else None, cfg.rms_norm_eps,
+                self.rope.cos, self.rope.sin, batch.positions, kv.k[layer_idx], kv.v[layer_idx], batch.slot_mapping,
+                batch.context_blocks, batch.context_lens, kv.block_size, self.scale, cfg.sliding_window or 0,
+                cfg.num_heads)
+            return F.linear(out, w.o_proj)
+        q, k, v = qkv.split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
         q = q.view(N, cfg.num_heads, cfg.head_dim)
         k = k.view(N, cfg.num_kv_heads, cfg.head_dim)
@@ -145,12 +191,13 @@ class MoeTransformer:
         if cfg.qk_norm:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        if rope_tables is None:
+            rope_tables = self.rope.tables(batch.positions, x.dtype, batch.max_position)
         q = self.rope.apply(q, *rope_tables)
         k = self.rope.apply(k, *rope_tables)
         kv.k[layer_idx].index_copy_(0, batch.slot_mapping, k)
         kv.v[layer_idx].index_copy_(0, batch.slot_mapping, v)
 
-        B, Lq = batch.batch_size, batch.max_q
         if Lq == 1 and self.fast_decode_attention:
             out = paged_decode_attention(q.view(B, cfg.num_heads, cfg.head_dim), kv.k[layer_idx], kv.v[layer_idx],
                                          batch.context_blocks, batch.context_lens, kv.block_size, self.scale,
@@ -180,20 +227,61 @@ class MoeTransformer:
 
     def route(self, x, layer_idx: int):
         logits = F.linear(x, self.ckpt.layers[layer_idx].router)
-        weights, ids = route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+        cfg = self.cfg
+        if self.ops is not None and logits.dtype == torch.float32 and (cfg.top_k <= 2 or not cfg.norm_topk_prob):
+            # route_softmax_topk's softmax, then its stable top-k and renormalization in one call
+            return self.ops.route_topk(torch.softmax(logits, dim=-1), cfg.top_k, cfg.norm_topk_prob)
+        weights, ids = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, all_positions: bool = False) -> torch.Tensor:
-        """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions)."""
+        """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions).
+        The MoE block adds its output to the residual stream itself (its prefetcher reads the stream)."""
         cfg = self.cfg
         h = self.ckpt.embed[batch.input_ids]
-        rope_tables = self.rope.tables(batch.positions, h.dtype)
-        for i, w in enumerate(self.ckpt.layers):
-            h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv, rope_tables)
-            x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
-            h = h + (self.moe_block(i, x) if cfg.is_moe_layer(i) else self.dense_mlp(x, i))
-        if not all_positions:
-            h = h[batch.last_token_index]
-        h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.ckpt.lm_head).float()
+        self.moe_block.start(h)
+        # every sequence has one new token in a decode step: it is already its last one
+        select = not all_positions and batch.max_q > 1
+        if self.ops is None or h.dtype != torch.float32 or h.device.type != "cpu":
+            rope_tables = self.rope.tables(batch.positions, h.dtype, batch.max_position)
+            for i, w in enumerate(self.ckpt.layers):
+                h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv, rope_tables)
+                x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
+                h = self.moe_block(i, x, h) if cfg.is_moe_layer(i) else h + self.dense_mlp(x, i)
+            if select:
+                h = h[batch.last_token_index]
+            h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
+            return F.linear(h, self.ckpt.lm_head).float()
+
+        # The same with residual add + RMSNorm in one call, which adds into h in place (h is this
+        # forward's own tensor, and whoever read it before, the prefetcher, is done with it). The
+        # final norm runs on every row before the last tokens are picked: rows are normalized alone.
+        add_norm, eps, layers = self.ops.add_rms_norm, cfg.rms_norm_eps, self.ckpt.layers
+        self.rope.ensure(batch.max_position)
+        # decode attention reads the whole cos/sin tables in C++; other steps look their rows up once
+        decode_block = batch.max_q == 1 and self.fast_decode_attention
+        rope_tables = None if decode_block else self.rope.tables(batch.positions, h.dtype, batch.max_position)
+        x = add_norm(h, None, layers[0].input_norm, eps)
+        for i, w in enumerate(layers):
+            x = add_norm(h, self.attention(x, i, batch, kv, rope_tables), w.post_attention_norm, eps)
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.ckpt.final_norm
+            if cfg.is_moe_layer(i):
+                h = self.moe_block(i, x, h)
+                x = add_norm(h, None, next_norm, eps)
+            else:
+                x = add_norm(h, self.dense_mlp(x, i), next_norm, eps)
+        if select:
+            x = x[batch.last_token_index]
+        return F.linear(x, self.ckpt.lm_head).float()
+
+
+STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")
+
+
+def cpu_step_ops():
+    """The C++ extension when it is built and has the exact small ops, else None."""
+    from moebench.kernels.cpu_moe import load_extension
+
+    ext = load_extension()
+    return ext if ext is not None and all(hasattr(ext, name) for name in STEP_OPS) else None

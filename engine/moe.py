@@ -86,7 +86,9 @@ def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:
 
 
 class MoeBlock:
-    """Callable `(layer, x) -> moe output`, wiring router, prefetcher, expert store and kernel."""
+    """Callable `(layer, x, residual) -> residual + moe output`, wiring router, prefetcher, expert
+    store and kernel. It adds its output to the residual stream itself so that the prefetcher sees
+    the stream the next layer will read."""
 
     def __init__(self, model_router, kernel: MoeKernel, store, prefetcher, stats: RoutingStats):
         self.route = model_router
@@ -95,9 +97,14 @@ class MoeBlock:
         self.prefetcher = prefetcher
         self.stats = stats
 
-    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def start(self, h: torch.Tensor) -> None:
+        """A forward pass begins with these embeddings."""
+        self.prefetcher.before_forward(h)
+
+    def __call__(self, layer: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x, layer)
         self.stats.record(layer, topk_ids)
-        self.prefetcher.before_layer(layer, x, topk_ids)
         w13, w2, slot_ids = self.store.fetch(layer, topk_ids)
-        return self.kernel(x, topk_weights, slot_ids, w13, w2)
+        h = residual + self.kernel(x, topk_weights, slot_ids, w13, w2)
+        self.prefetcher.after_layer(layer, h)
+        return h

@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                     help="suite: the first --batch gsm-synth items (needs the model's tokenizer.json); random: "
                          "random token ids; auto: suite when the model has a tokenizer")
     ap.add_argument("--readers", type=int, default=8, help="parallel readers of the disk tier (lookahead)")
-    ap.add_argument("--lookahead-extra", type=int, default=0, help="experts predicted per token beyond top-k")
+    ap.add_argument("--lookahead-extra", type=int, default=1,
+                    help="experts predicted per token beyond top-k (the first MoE layer: one more)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1 leaves a core to the loader threads; 2 OpenMP threads on a "
                          "busy 2-core machine stall on each other)")

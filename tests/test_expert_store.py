@@ -149,7 +149,7 @@ def test_random_calls_always_served_exactly(ckpt, workers):
         tokens = int(torch.randint(1, 4, (1,), generator=g))
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
         if workers:
-            store.plan_prefetch((layer + 1) % LAYERS, torch.randperm(E, generator=g)[:4].tolist())
+            store.prefetch((layer + 1) % LAYERS, torch.randperm(E, generator=g)[:4].tolist())
         assert_serves(ckpt, store, layer, ids)
     ev = store.evidence()
     assert ev["expert_hits"] + ev["expert_misses"] == ev["lookups"]
@@ -192,7 +192,7 @@ def test_pool_and_stage_bounds_hold_under_random_calls(ckpt):
         tokens = int(torch.randint(1, 9, (1,), generator=g))
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
         planned = torch.randperm(E, generator=g)[: int(torch.randint(1, E, (1,), generator=g))]
-        store.plan_prefetch((layer + 1) % LAYERS, planned.tolist())
+        store.prefetch((layer + 1) % LAYERS, planned.tolist())
         assert_serves(ckpt, store, layer, ids)
         for pool in store.pools.values():
             assert len(pool.slot_of) + len(pool.free) == 4
@@ -316,7 +316,7 @@ def test_truncated_checkpoint_fails_loudly(ckpt, tmp_path):
         tier.load(*last, w13, w2)
     store = PooledStore(copy, RuntimeConfig(expert_budget=0.25), tier, 4, workers=1)
     layer, expert = last
-    store.plan_prefetch(layer, [expert])
+    store.prefetch(layer, [expert])
     store.fetch((layer + 1) % LAYERS, torch.tensor([[0, 1]]))
     with pytest.raises(MoebenchError, match="short read"):
         store.fetch(layer, torch.tensor([[expert, 0]]))

@@ -11,6 +11,7 @@ from moebench.engine import RuntimeConfig, load_checkpoint
 from moebench.engine.expert_store import PooledStore
 from moebench.engine.offload import ExpertTier, HostTier
 from moebench.engine.prefetch import LookaheadPrefetcher
+from moebench.kernels import expert_loader
 from tiny_models import make_tiny_checkpoint
 
 E, K, LAYERS = 16, 2, 3
@@ -51,14 +52,14 @@ def store_for(ckpt, slots=4, workers=1, tier=None):
 def test_precision_recall_and_prefetch_hits(ckpt):
     store = store_for(ckpt)  # holds experts 0..3 in every layer
     # Layer 1 predicted {2, 8, 9}: 8 and 9 are loaded ahead, 2 is already resident.
-    store.plan_prefetch(1, [8, 9, 2])
-    store.fetch(0, torch.tensor([[0, 1]]))  # the plan is issued at the end of this call
+    store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8, 9, 2])
     step = store.take_step()
     assert step["prefetch_issued"] == 2
     store.fetch(1, torch.tensor([[8, 2], [5, 2]]))  # needed {2, 5, 8}
     # Layer 2 predicted {10, 11}, needed {10, 12, 13, 14}.
-    store.plan_prefetch(2, [10, 11])
     store.fetch(1, torch.tensor([[8, 2]]))
+    store.prefetch(2, [10, 11])
     store.fetch(2, torch.tensor([[10, 12], [13, 14]]))
     ev = store.evidence()
     # |P & A| / |P| and / |A|, summed over the predicted calls: (2 + 1) / (3 + 2), (2 + 1) / (3 + 4)
@@ -74,8 +75,8 @@ def test_precision_recall_and_prefetch_hits(ckpt):
 def test_wrong_prediction_not_started_is_cancelled_and_costs_nothing(ckpt):
     tier = GatedTier(ckpt, gated={8})
     store = store_for(ckpt, workers=1, tier=tier)
-    store.plan_prefetch(1, [8, 9])  # 8 blocks the only worker, so 9 waits in the queue
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8, 9])  # 8 blocks the only worker, so 9 waits in the queue
     assert tier.started.wait(10)
     w13, w2, ids = store.fetch(1, torch.tensor([[5, 6]]))  # neither predicted expert is needed
     assert torch.equal(w13[ids], ckpt.layers[1].w13[torch.tensor([[5, 6]])])
@@ -90,8 +91,8 @@ def test_wrong_prediction_not_started_is_cancelled_and_costs_nothing(ckpt):
 def test_needed_expert_still_loading_is_waited_for(ckpt):
     tier = GatedTier(ckpt, gated={8})
     store = store_for(ckpt, workers=1, tier=tier)
-    store.plan_prefetch(1, [8])
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8])
     threading.Timer(0.05, tier.gate.set).start()
     w13, _, ids = store.fetch(1, torch.tensor([[8, 0]]))
     assert torch.equal(w13[ids], ckpt.layers[1].w13[torch.tensor([[8, 0]])])
@@ -100,20 +101,22 @@ def test_needed_expert_still_loading_is_waited_for(ckpt):
     store.close()
 
 
-def test_predictor_unions_next_router_and_last_step(ckpt):
+def test_predictor_uses_each_layers_router_on_the_stream(ckpt):
     store = store_for(ckpt)
+    planned = []
+    store.prefetch = lambda layer, experts: planned.append((layer, experts))
     pf = LookaheadPrefetcher(ckpt, store)
-    x = torch.randn(3, ckpt.config.hidden_size)
-    router_guess = torch.topk(x @ ckpt.layers[1].router.T, K, dim=-1).indices.flatten().tolist()
-    used = [torch.tensor([[4, 5]]), torch.tensor([[6, 7]]), torch.tensor([[8, 9]])]
-    pf.before_layer(0, x, used[0])  # first step: no history, the router's guess only
-    assert store.pending == (1, list(dict.fromkeys(router_guess)))
-    pf.before_layer(1, x, used[1])
-    # the last MoE layer plans the first one of the next step, from what it used in this step
-    pf.before_layer(LAYERS - 1, x, used[2])
-    assert store.pending == (0, [4, 5])
-    pf.before_layer(0, x, used[0])  # next step: router's guess, then what layer 1 used last step
-    assert store.pending == (1, list(dict.fromkeys(router_guess + [6, 7])))
+    h = torch.randn(3, ckpt.config.hidden_size)
+
+    def guess(layer, k):  # the layer's router on the normalised stream, top-k per token
+        x = torch.nn.functional.rms_norm(h, (h.shape[-1],), ckpt.layers[layer].post_attention_norm, 1e-6)
+        ids = torch.topk(x @ ckpt.layers[layer].router.T, k, dim=-1).indices
+        return list(dict.fromkeys(ids.flatten().tolist()))
+
+    pf.before_forward(h)  # the first MoE layer from the embeddings, one rank deeper
+    pf.after_layer(0, h)  # layer 1 from the stream layer 0's MoE output was added to
+    pf.after_layer(LAYERS - 1, h)  # the last layer: nothing left in this forward
+    assert planned == [(0, guess(0, K + 2)), (1, guess(1, K + 1))]
     store.close()
 
 
@@ -123,8 +126,8 @@ def test_prediction_larger_than_the_pool_is_staged(ckpt):
     tier = GatedTier(ckpt)
     store = store_for(ckpt, slots=4, tier=tier)  # pools hold 0..3
     wanted = list(range(2, 12))  # 10 experts: 2, 3 resident; 4, 5 evict 0, 1; 6..11 staged
-    store.plan_prefetch(1, wanted)
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, wanted)
     ids = torch.tensor(wanted).view(5, 2)
     w13, w2, slot_ids = store.fetch(1, ids)
     assert torch.equal(w13[slot_ids], ckpt.layers[1].w13[ids]) and torch.equal(w2[slot_ids], ckpt.layers[1].w2[ids])
@@ -134,24 +137,11 @@ def test_prediction_larger_than_the_pool_is_staged(ckpt):
     store.close()
 
 
-def test_prefetch_never_writes_the_stage_in_use(ckpt):
-    """Layers 0 and 2 share a stage (two stages alternate): a plan for layer 0 issued after layer 2's
-    call, whose kernel reads that stage next, goes to layer 0's pool only."""
-    store = store_for(ckpt, slots=4, tier=GatedTier(ckpt))
-    assert store.stage_of[0] is store.stage_of[2] and store.stage_of[0] is not store.stage_of[1]
-    store.plan_prefetch(0, list(range(4, 16)))
-    ids = torch.arange(4, 16).view(6, 2)  # layer 2 overflows into its stage
-    w13, w2, slot_ids = store.fetch(2, ids)
-    assert torch.equal(w13[slot_ids], ckpt.layers[2].w13[ids])
-    assert store.evidence()["prefetch_issued"] == 4  # 4 slots of layer 0's pool, nothing staged
-    store.close()
-
-
 def test_close_with_loads_in_flight_leaves_no_thread(ckpt):
     tier = GatedTier(ckpt, gated={8})
     store = store_for(ckpt, workers=1, tier=tier)
-    store.plan_prefetch(1, [8, 9, 10])
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8, 9, 10])
     assert tier.started.wait(10)
     threading.Timer(0.05, tier.gate.set).start()
     store.close()  # waits for the running load, drops the queued ones
@@ -163,8 +153,8 @@ def test_no_prefetch_hits_is_an_activation_error(ckpt):
     pf = LookaheadPrefetcher(ckpt, store)
     errors = pf.activation_errors(store)
     assert len(errors) == 1 and "none was used" in errors[0]
-    store.plan_prefetch(1, [8])
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8])
     store.fetch(1, torch.tensor([[8, 1]]))
     assert pf.activation_errors(store) == []
     store.close()
@@ -174,8 +164,7 @@ def test_no_prefetch_hits_is_an_activation_error(ckpt):
 # The default path on CPU: loads run on native threads that never take the GIL. `hold` keeps them
 # queued, as the gate above does for Python loads.
 
-native = pytest.mark.skipif(__import__("moebench.kernels.expert_loader", fromlist=["x"]).load_extension() is None,
-                            reason="native expert loader not built")
+native = pytest.mark.skipif(expert_loader.load_extension() is None, reason="native expert loader not built")
 
 
 def _threads() -> int:
@@ -187,8 +176,8 @@ def test_native_wrong_prediction_is_cancelled_and_needed_one_waited_for(ckpt):
     store = store_for(ckpt, tier=HostTier(ckpt, "cpu"))
     assert store.native and store.evidence()["native_loader"]
     store.executor.hold(True)
-    store.plan_prefetch(1, [8, 9])
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8, 9])
     threading.Timer(0.05, store.executor.hold, (False,)).start()
     w13, w2, ids = store.fetch(1, torch.tensor([[8, 5]]))  # 8 predicted (queued: waited for), 9 not needed
     want = torch.tensor([[8, 5]])
@@ -205,16 +194,15 @@ def test_native_close_with_loads_queued_leaves_no_thread(ckpt):
     store = store_for(ckpt, tier=HostTier(ckpt, "cpu"), workers=2)
     assert _threads() == before + 2
     store.executor.hold(True)
-    store.plan_prefetch(1, [8, 9, 10])
     store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8, 9, 10])
     store.close()  # cancels the queued loads, joins the workers
     assert _threads() == before
 
 
 @native
 def test_native_loader_copies_and_upcasts_exactly(tmp_path):
-    from moebench.kernels import expert_loader as el
-
+    el = expert_loader
     ext = el.load_extension()
     src = torch.randn(3, 1000).to(torch.bfloat16)
     half = torch.randn(1000).to(torch.float16)

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -54,6 +55,33 @@ struct Load {
   std::atomic<int> state{kQueued};
   std::string error;
 };
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Waking a sleeping thread costs tens of microseconds (more on a VM, where the idle vCPU has to be
+// woken by the host), as much as copying an expert; so a worker spins a while for the next load
+// before it sleeps, and so does a thread waiting for a load. The spin yields the core between
+// polls: on a busy machine the thread it waits for may need that very core.
+using Clock = std::chrono::steady_clock;
+
+template <class Ready>
+bool spin_until(Ready ready, std::chrono::nanoseconds spin) {
+  if (ready()) return true;
+  const auto deadline = Clock::now() + spin;
+  while (Clock::now() < deadline) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    // On a busy machine the thread we wait for may share this core: let it run.
+    std::this_thread::yield();
+  }
+  return ready();
+}
 
 struct LoadError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -151,10 +179,16 @@ struct Queue {
   std::mutex mu;
   std::condition_variable work_cv, done_cv;
   std::deque<std::shared_ptr<Load>> loads;
-  bool closed = false, held = false;
+  std::atomic<bool> closed{false}, held{false};
+  std::atomic<int64_t> queued{0};  // loads.size(), readable without the lock (spinning workers)
+  int sleepers = 0;                // workers blocked on work_cv
+  std::chrono::nanoseconds spin{0};
   Counters counters;
 
+  bool takeable() const { return closed.load() || (!held.load() && queued.load(std::memory_order_acquire) > 0); }
+
   void wait(const Load& load) {
+    if (spin_until([&] { return load.state.load(std::memory_order_acquire) >= kDone; }, spin)) return;
     std::unique_lock<std::mutex> lock(mu);
     done_cv.wait(lock, [&] { return load.state.load() >= kDone; });
   }
@@ -179,7 +213,7 @@ class Ticket {
   bool done() const { return load_->state.load() >= kDone; }
   bool cancelled() const { return load_->state.load() == kCancelled; }
   void result() {
-    {
+    if (!done()) {
       py::gil_scoped_release no_gil;
       queue_->wait(*load_);
     }
@@ -195,8 +229,9 @@ class Ticket {
 
 class Loader {
  public:
-  explicit Loader(int threads) : queue_(std::make_shared<Queue>()) {
+  explicit Loader(int threads, int64_t spin_us) : queue_(std::make_shared<Queue>()) {
     if (threads < 0) throw std::invalid_argument("threads must be >= 0 (0: a loader for run() only)");
+    queue_->spin = std::chrono::microseconds(spin_us);
     for (int i = 0; i < threads; ++i) workers_.emplace_back(work, queue_);
   }
   ~Loader() {
@@ -213,6 +248,7 @@ class Loader {
     for (const auto& t : loads) parsed.push_back(parse(t.cast<py::tuple>()));
     std::vector<Ticket> tickets;
     tickets.reserve(parsed.size());
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(queue_->mu);
       if (queue_->closed) throw std::runtime_error("the expert loader is closed");
@@ -220,8 +256,10 @@ class Loader {
         queue_->loads.push_back(load);
         tickets.emplace_back(load, queue_);
       }
+      queue_->queued.store(static_cast<int64_t>(queue_->loads.size()), std::memory_order_release);
+      wake = queue_->sleepers > 0;
     }
-    queue_->work_cv.notify_all();
+    if (wake) queue_->work_cv.notify_all();
     return tickets;
   }
 
@@ -254,6 +292,7 @@ class Loader {
         load->state.compare_exchange_strong(expected, kCancelled);
       }
       queue_->loads.clear();
+      queue_->queued.store(0);
     }
     queue_->work_cv.notify_all();
     queue_->done_cv.notify_all();
@@ -279,12 +318,19 @@ class Loader {
     ReadBuffer buffer;
     for (;;) {
       std::shared_ptr<Load> load;
+      spin_until([&] { return q->takeable(); }, q->spin);
       {
         std::unique_lock<std::mutex> lock(q->mu);
-        q->work_cv.wait(lock, [&] { return q->closed || (!q->held && !q->loads.empty()); });
+        auto ready = [&] { return q->closed || (!q->held && !q->loads.empty()); };
+        if (!ready()) {
+          ++q->sleepers;
+          q->work_cv.wait(lock, ready);
+          --q->sleepers;
+        }
         if (q->closed) return;
         load = std::move(q->loads.front());
         q->loads.pop_front();
+        q->queued.store(static_cast<int64_t>(q->loads.size()), std::memory_order_release);
         int expected = kQueued;
         if (!load->state.compare_exchange_strong(expected, kRunning)) continue;  // cancelled
       }
@@ -313,7 +359,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("cancelled", &Ticket::cancelled)
       .def("result", &Ticket::result, "Wait for the load (GIL released); raise LoadError if it failed.");
   py::class_<Loader>(m, "Loader")
-      .def(py::init<int>(), py::arg("threads"))
+      .def(py::init<int, int64_t>(), py::arg("threads"), py::arg("spin_us") = 0,
+           "threads: workers (0: run() only); spin_us: how long an idle worker, or a thread waiting for a "
+           "load, spins before it sleeps")
       .def("submit", &Loader::submit, "Queue loads; one ticket each, in order.")
       .def("run", &Loader::run, "Run loads now in the calling thread, GIL released.")
       .def("hold", &Loader::hold)
