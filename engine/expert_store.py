@@ -8,8 +8,9 @@ which store it runs on.
 
 Baseline (prefetch=off): an expert missing from the pool is loaded on demand, synchronously, one at
 a time, into the least recently used slot. A prefetcher (prefetch=lookahead, `moebench.engine.
-prefetch`) plans loads for the next layer through `plan_prefetch`; the store issues them to worker
-threads once the current layer's own experts are in place, so they overlap this layer's compute.
+prefetch`) asks for a layer's experts through `prefetch` before that layer routes; the store hands
+the loads to worker threads (native ones that never take the GIL, `moebench.kernels.expert_loader`,
+where the tier can describe its loads), so they overlap the compute in between.
 
 Invariants that make offloading exact:
 - a slot whose expert the current layer call needs is never chosen as a victim;
