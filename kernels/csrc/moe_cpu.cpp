@@ -305,12 +305,10 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 
 }  // namespace
 
-// attention_cpu.cpp, built into the same extension
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
-                                     torch::Tensor lens, int64_t block_size, double scale, int64_t window);
+// attention_cpu.cpp, built into the same extension: decode attention and the small decode-step ops
+void register_attention(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights)");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention (one query per sequence) over a paged float32 KV cache");
+  register_attention(m);
 }

@@ -1,0 +1,182 @@
+"""The extension's small decode-step ops (kernels/csrc/attention_cpu.cpp) compute exactly what the
+torch ops they replace compute: each op against its torch counterpart bit for bit, then whole
+forward passes (prefill, decode, mixed steps) with and without them. Routing statistics counted in
+numpy give what the torch counting gave."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moebench.engine import load_checkpoint
+from moebench.engine import model as model_mod
+from moebench.engine.expert_store import NoPrefetch, ResidentStore
+from moebench.engine.kv_cache import KVCache
+from moebench.engine.model import MoeTransformer, RotaryEmbedding, build_forward_batch, cpu_step_ops, rms_norm
+from moebench.engine.moe import MoeBlock, make_kernel
+from moebench.engine.routing_stats import RoutingStats
+from moebench.kernels.cpu_attention import paged_decode_attention
+from moebench.kernels.reference import route_softmax_topk
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ext = cpu_step_ops()
+    if ext is None:
+        pytest.skip("the CPU extension is not available")
+    return ext
+
+
+@pytest.mark.parametrize("dim", [40, 192, 7])
+def test_add_rms_norm_is_add_then_rms_norm(ops, dim):
+    g = torch.Generator().manual_seed(dim)
+    for n in (1, 3, 16, 67):
+        h = torch.randn(n, dim, generator=g) * 3
+        delta = torch.randn(n, dim, generator=g)
+        w = torch.randn(dim, generator=g)
+        expect_h = h + delta
+        expect = F.rms_norm(expect_h, (dim,), w, 1e-6)
+        out = ops.add_rms_norm(h, delta, w, 1e-6)
+        assert torch.equal(h, expect_h) and torch.equal(out, expect)
+        assert torch.equal(ops.add_rms_norm(h, None, w, 1e-5), F.rms_norm(h, (dim,), w, 1e-5))
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 48), (6, 2, 16), (3, 3, 10)])
+def test_decode_attention_block_is_norm_rope_write_attention(ops, qk_norm, window, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    block, num_blocks = 4, 48
+    rope = RotaryEmbedding(dim, 10000.0, "cpu")
+    for batch in (1, 5, 16):
+        qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g) * 2
+        qw, kw = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+        k_pool = torch.randn(num_blocks * block, kv_heads, dim, generator=g)
+        v_pool = torch.randn(num_blocks * block, kv_heads, dim, generator=g)
+        lens = torch.randint(1, 6 * block, (batch,), generator=g)
+        blocks = torch.stack([torch.randperm(num_blocks, generator=g)[:6] for _ in range(batch)])
+        pos = lens - 1
+        slots = blocks.gather(1, (pos // block)[:, None])[:, 0] * block + pos % block
+        # the torch path of MoeTransformer.attention
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = q.view(batch, heads, dim), k.view(batch, kv_heads, dim), v.view(batch, kv_heads, dim)
+        if qk_norm:
+            q, k = rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6)
+        cos, sin = rope.tables(pos, torch.float32)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        k_expect, v_expect = k_pool.clone().index_copy_(0, slots, k), v_pool.clone().index_copy_(0, slots, v)
+        expect = paged_decode_attention(q, k_expect, v_expect, blocks, lens, block, 0.3, window)
+
+        out = ops.decode_attention_block(qkv, qw if qk_norm else None, kw if qk_norm else None, 1e-6, rope.cos,
+                                         rope.sin, pos, k_pool, v_pool, slots, blocks, lens, block, 0.3, window, heads)
+        assert torch.equal(k_pool, k_expect) and torch.equal(v_pool, v_expect)
+        assert torch.equal(out, expect.view(batch, heads * dim))
+
+
+def test_decode_attention_block_refuses_a_slot_outside_the_pool(ops):
+    rope = RotaryEmbedding(8, 10000.0, "cpu")
+    qkv, pool = torch.randn(1, 4 * 8), torch.randn(16, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.decode_attention_block(qkv, None, None, 1e-6, rope.cos, rope.sin, torch.tensor([2]), pool, pool.clone(),
+                                   torch.tensor([16]), torch.tensor([[0]]), torch.tensor([3]), 4, 1.0, 0, 2)
+
+
+@pytest.mark.parametrize("experts,k,renormalize", [(16, 2, True), (6, 2, True), (5, 1, True), (5, 1, False),
+                                                   (7, 4, False), (64, 8, False)])
+def test_route_topk_is_the_reference_top_k(ops, experts, k, renormalize):
+    g = torch.Generator().manual_seed(experts + k)
+    for n in (1, 16, 45):
+        logits = torch.randn(n, experts, generator=g) * 2
+        logits[0, 1:3] = logits[0, 0]  # ties: the lower index first
+        if n > 1:
+            logits[1] = 0.5  # a row of equal values
+        probs = torch.softmax(logits, dim=-1)
+        expect_w, expect_ids = route_softmax_topk(logits, k, renormalize)
+        w, ids = ops.route_topk(probs, k, renormalize)
+        assert torch.equal(ids, expect_ids) and torch.equal(w, expect_w)
+
+
+def _forward_logits(ckpt, use_ops: bool, monkeypatch) -> list[torch.Tensor]:
+    """Logits of a prefill of three prompts, a mixed step (one prompt more) and decode steps."""
+    if not use_ops:
+        monkeypatch.setattr(model_mod, "cpu_step_ops", lambda: None)
+    model = MoeTransformer(ckpt, None)
+    monkeypatch.undo()
+    assert (model.ops is not None) == use_ops
+    cfg = ckpt.config
+    stats = RoutingStats(cfg.num_layers, cfg.num_experts)
+    model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(), stats)
+    block = 4
+    kv = KVCache(cfg.num_layers, 40, block, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 3, 9)]
+    tables = [list(range(i * 10, i * 10 + 10)) for i in range(4)]
+    seqs = [list(p) for p in prompts]
+    cached = [0] * 4
+    out = []
+
+    def step(active, new):
+        logits = model.forward(build_forward_batch(new, [cached[i] for i in active], [tables[i] for i in active],
+                                                   block, "cpu", cfg.sliding_window), kv)
+        for i, tokens, row in zip(active, new, logits):
+            cached[i] += len(tokens)
+            seqs[i].append(int(row.argmax()))
+        out.append(logits)
+
+    step([0, 1, 2], [seqs[i] for i in range(3)])  # prefill
+    step([0, 1, 2, 3], [seqs[0][-1:], seqs[1][-1:], seqs[2][-1:], seqs[3]])  # mixed
+    for _ in range(6):  # decode
+        step([0, 1, 2, 3], [seqs[i][-1:] for i in range(4)])
+    return out
+
+
+@pytest.mark.parametrize("name,extra", [("qwen3_e6_k2_norm", {}), ("qwen3_e7_k4", {}),
+                                        ("qwen3_e5_k1", {"mlp_only_layers": [0]}),
+                                        ("mixtral_e5_k2", {"sliding_window": 6})])
+def test_forward_with_step_ops_is_bit_identical(tmp_path, ops, monkeypatch, name, extra):
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, name, **extra))
+    with_ops = _forward_logits(ckpt, True, monkeypatch)
+    without = _forward_logits(ckpt, False, monkeypatch)
+    assert len(with_ops) == len(without)
+    for a, b in zip(with_ops, without):
+        assert torch.equal(a, b)
+
+
+def _torch_routing_summary(steps, num_layers, num_experts):
+    """The counting as it was written in torch ops: the reference for the numpy version."""
+    load = torch.zeros(num_layers, num_experts, dtype=torch.long)
+    out = []
+    for calls in steps:
+        rows = len(calls)
+        flat = torch.cat([ids.flatten() + i * num_experts for i, (_, ids) in enumerate(calls)])
+        counts = torch.bincount(flat, minlength=rows * num_experts).view(rows, num_experts)
+        load.index_add_(0, torch.tensor([layer for layer, _ in calls]), counts)
+        distinct = (counts > 0).sum(1)
+        imbalance = counts.max(1).values * distinct / counts.sum(1)
+        out.append({"distinct_experts": float(distinct.float().mean()),
+                    "expert_imbalance": float(imbalance.float().mean())})
+    return out, load
+
+
+def test_routing_stats_match_torch_counting():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        num_layers, num_experts = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(2, 70, (1,), generator=g))
+        steps = []
+        for _ in range(3):
+            tokens = int(torch.randint(1, 20, (1,), generator=g))
+            k = int(torch.randint(1, min(num_experts, 8) + 1, (1,), generator=g))
+            count = int(torch.randint(1, num_layers + 1, (1,), generator=g))
+            layers = sorted(torch.randperm(num_layers, generator=g)[:count].tolist())
+            if trial % 2:  # tokens differ between calls (not in the engine, but allowed)
+                steps.append([(layer, torch.randint(0, num_experts, (tokens + layer % 3, k), generator=g))
+                              for layer in layers])
+            else:
+                steps.append([(layer, torch.randint(0, num_experts, (tokens, k), generator=g)) for layer in layers])
+        expect, expect_load = _torch_routing_summary(steps, num_layers, num_experts)
+        stats = RoutingStats(num_layers, num_experts)
+        for calls, summary in zip(steps, expect):
+            for layer, ids in calls:
+                stats.record(layer, ids)
+            assert stats.take_step() == summary
+        assert torch.equal(stats.load, expect_load)
