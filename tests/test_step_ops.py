@@ -41,6 +41,18 @@ def test_add_rms_norm_is_add_then_rms_norm(ops, dim):
         assert torch.equal(ops.add_rms_norm(h, None, w, 1e-5), F.rms_norm(h, (dim,), w, 1e-5))
 
 
+def test_rms_norm_sum_order_every_length(ops):
+    """The mean of squares is summed in torch's order (calibrated per row length against torch):
+    rows of 1 to 300 values and a few long ones, values spread over many binades."""
+    g = torch.Generator().manual_seed(7)
+    for dim in [*range(1, 301), 1023, 1024, 2048, 2560, 4096, 5000]:
+        x = torch.randn(5, dim, generator=g) * torch.exp2(torch.randint(-12, 12, (5, dim), generator=g).float())
+        w = torch.randn(dim, generator=g)
+        assert torch.equal(ops.add_rms_norm(x.clone(), None, w, 1e-6), F.rms_norm(x, (dim,), w, 1e-6)), dim
+    if ops.rms_sum_width(192) == 0:
+        pytest.skip("torch's sum order was not recognised here: RMSNorm calls torch's mean (exact, slower)")
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 48), (6, 2, 16), (3, 3, 10)])

@@ -19,19 +19,136 @@
 // the output projection in one call: q/k RMSNorm (Qwen3), RoPE, the K/V write into the pool and
 // the attention above. Every elementwise step computes what the torch ops it replaces compute,
 // rounding for rounding (no fused multiply-add where torch rounds a product first); the one
-// reduction (the mean of squares of RMSNorm) is torch's own `mean`. `add_rms_norm` is the
+// reduction (the mean of squares of RMSNorm) adds in torch's order, checked against torch's own
+// mean for each row length before it is used. `add_rms_norm` is the
 // residual add plus RMSNorm the same way. Results are bit-identical to the torch path's.
 
 #include <torch/extension.h>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <vector>
 
 namespace {
+
+// ---- the attention of one (sequence, kv head) item -------------------------------------
+//
+// The arithmetic is fixed (tests compare it bit for bit with the per-position loop this file
+// first had, as GCC compiled it): a score is dot(q, k) * scale, the dot taken as 8 lanes that
+// each accumulate their elements with fused multiply-adds, chunk by chunk, the elements past the
+// last whole chunk going into lane 0, then 0 + lane 0 + lane 1 + ... + lane 7; the online
+// softmax then runs position by position: m' = max(m, s), c = exp(m - m'), p = exp(s - m'),
+// l = fma(l, c, p), acc = fma(acc, c, p * v). What is free is the schedule: scores for 8
+// positions at once (8 independent chains, summed lane-wise after a transpose), the
+// exponentials for all positions once the running max is known (they do not wait on each other),
+// then the accumulators kept in registers over all positions.
+
+// out[j] = lane j of (r + a0[j]... ): the lane-ordered sums of 8 accumulators, as a vector.
+inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  // 8x8 transpose: t[l] holds lane l of every accumulator
+  const __m256 u0 = _mm256_unpacklo_ps(a0, a1), u1 = _mm256_unpackhi_ps(a0, a1);
+  const __m256 u2 = _mm256_unpacklo_ps(a2, a3), u3 = _mm256_unpackhi_ps(a2, a3);
+  const __m256 u4 = _mm256_unpacklo_ps(a4, a5), u5 = _mm256_unpackhi_ps(a4, a5);
+  const __m256 u6 = _mm256_unpacklo_ps(a6, a7), u7 = _mm256_unpackhi_ps(a6, a7);
+  const __m256 v0 = _mm256_shuffle_ps(u0, u2, 0x44), v1 = _mm256_shuffle_ps(u0, u2, 0xEE);
+  const __m256 v2 = _mm256_shuffle_ps(u1, u3, 0x44), v3 = _mm256_shuffle_ps(u1, u3, 0xEE);
+  const __m256 v4 = _mm256_shuffle_ps(u4, u6, 0x44), v5 = _mm256_shuffle_ps(u4, u6, 0xEE);
+  const __m256 v6 = _mm256_shuffle_ps(u5, u7, 0x44), v7 = _mm256_shuffle_ps(u5, u7, 0xEE);
+  const __m256 t0 = _mm256_permute2f128_ps(v0, v4, 0x20), t4 = _mm256_permute2f128_ps(v0, v4, 0x31);
+  const __m256 t1 = _mm256_permute2f128_ps(v1, v5, 0x20), t5 = _mm256_permute2f128_ps(v1, v5, 0x31);
+  const __m256 t2 = _mm256_permute2f128_ps(v2, v6, 0x20), t6 = _mm256_permute2f128_ps(v2, v6, 0x31);
+  const __m256 t3 = _mm256_permute2f128_ps(v3, v7, 0x20), t7 = _mm256_permute2f128_ps(v3, v7, 0x31);
+  __m256 r = _mm256_add_ps(_mm256_setzero_ps(), t0);
+  r = _mm256_add_ps(r, t1);
+  r = _mm256_add_ps(r, t2);
+  r = _mm256_add_ps(r, t3);
+  r = _mm256_add_ps(r, t4);
+  r = _mm256_add_ps(r, t5);
+  r = _mm256_add_ps(r, t6);
+  return _mm256_add_ps(r, t7);
+}
+
+// Scores of one query head against up to 8 key rows (missing rows repeat the last): s[j].
+inline void scores8(const float* qh, const float* const* kr, int64_t rows, int64_t D, float scale, float* s) {
+  const float* k[8];
+  for (int j = 0; j < 8; ++j) k[j] = kr[j < rows ? j : rows - 1];
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(qh + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+  }
+  if (d < D) {  // the rest of the elements go into lane 0 of each accumulator, in order
+    alignas(32) float lane0[8];
+    lane0[0] = _mm256_cvtss_f32(a0), lane0[1] = _mm256_cvtss_f32(a1), lane0[2] = _mm256_cvtss_f32(a2);
+    lane0[3] = _mm256_cvtss_f32(a3), lane0[4] = _mm256_cvtss_f32(a4), lane0[5] = _mm256_cvtss_f32(a5);
+    lane0[6] = _mm256_cvtss_f32(a6), lane0[7] = _mm256_cvtss_f32(a7);
+    for (; d < D; ++d)
+      for (int j = 0; j < 8; ++j) lane0[j] = std::fma(qh[d], k[j][d], lane0[j]);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_setr_epi32(0, -1, -1, -1, -1, -1, -1, -1));
+    a0 = _mm256_blendv_ps(_mm256_set1_ps(lane0[0]), a0, keep);
+    a1 = _mm256_blendv_ps(_mm256_set1_ps(lane0[1]), a1, keep);
+    a2 = _mm256_blendv_ps(_mm256_set1_ps(lane0[2]), a2, keep);
+    a3 = _mm256_blendv_ps(_mm256_set1_ps(lane0[3]), a3, keep);
+    a4 = _mm256_blendv_ps(_mm256_set1_ps(lane0[4]), a4, keep);
+    a5 = _mm256_blendv_ps(_mm256_set1_ps(lane0[5]), a5, keep);
+    a6 = _mm256_blendv_ps(_mm256_set1_ps(lane0[6]), a6, keep);
+    a7 = _mm256_blendv_ps(_mm256_set1_ps(lane0[7]), a7, keep);
+  }
+  const __m256 r = _mm256_mul_ps(lane_sums8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));
+  alignas(32) float out[8];
+  _mm256_store_ps(out, r);
+  for (int64_t j = 0; j < rows; ++j) s[j] = out[j];
+}
+
+// acc[0:D] over n positions: acc = fma(acc, corr[i], p[i] * v_i), from zero; returns l.
+// Up to 8 vectors of the row stay in registers across all positions.
+inline float accumulate(const float* const* vrows, const float* corr, const float* p, int64_t n, int64_t D,
+                        float* acc) {
+  float l = 0.0f;
+  for (int64_t i = 0; i < n; ++i) l = std::fma(l, corr[i], p[i]);
+  int64_t d0 = 0;
+  for (; d0 + 8 <= D; d0 += 64) {
+    const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 cv = _mm256_set1_ps(corr[i]), pv = _mm256_set1_ps(p[i]);
+      const float* vr = vrows[i] + d0;
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c)
+        if (c < nv) a[c] = _mm256_fmadd_ps(a[c], cv, _mm256_mul_ps(pv, _mm256_loadu_ps(vr + 8 * c)));
+    }
+    for (int c = 0; c < nv; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
+    if (nv < 8) {
+      d0 += 8 * nv;
+      break;
+    }
+  }
+  for (int64_t d = d0; d < D; ++d) {  // the last D % 8 elements
+    float a = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float pv = p[i] * vrows[i][d];
+      a = std::fma(a, corr[i], pv);
+    }
+    acc[d] = a;
+  }
+  return l;
+}
 
 void decode_attention_rows(const float* q, const float* k, const float* v, const int64_t* blocks, const int64_t* lens,
                            float* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
@@ -40,47 +157,48 @@ void decode_attention_rows(const float* q, const float* k, const float* v, const
   const int64_t group = H / KVH;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    // per-thread running max, sum, accumulators and scores, reused by every work item
-    std::vector<float> m(group), l(group), acc(group * D), s(group);
+    // per thread, reused by every work item: key and value rows, each head's scores, the
+    // softmax factors of each position, the accumulators
+    std::vector<float> s, corr, p, acc(D);
+    std::vector<const float*> krows, vrows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < B * KVH; ++item) {
       const int64_t b = item / KVH, g = item % KVH;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.0f);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const float* qb = q + (b * H + g * group) * D;
+      const int64_t n = len - first;
+      if (static_cast<int64_t>(krows.size()) < n) {
+        s.resize(group * n);
+        corr.resize(n);
+        p.resize(n);
+        krows.resize(n);
+        vrows.resize(n);
+      }
       for (int64_t t = first; t < len; ++t) {
         const int64_t slot = blocks[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const float* kr = k + slot * slot_stride + g * head_stride;
-        const float* vr = v + slot * slot_stride + g * head_stride;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = qb + h * D;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kr[d];
-          s[h] = dot * scale;
-        }
-        for (int64_t h = 0; h < group; ++h) {
-          const float m_new = std::max(m[h], s[h]);
-          // One of the two exponents is exp(0) = 1 (the new score is the running max, or it is
-          // not and the max stays): skipping that call gives the very same values.
-          const float dm = m[h] - m_new;  // -inf for the first position (m = -inf): correction 0
-          const float ds = s[h] - m_new;
-          const float correction = dm == 0.0f ? 1.0f : std::exp(dm);
-          const float p = ds == 0.0f ? 1.0f : std::exp(ds);
-          l[h] = l[h] * correction + p;
-          m[h] = m_new;
-          float* a = acc.data() + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] = a[d] * correction + p * vr[d];
-        }
+        krows[t - first] = k + slot * slot_stride + g * head_stride;
+        vrows[t - first] = v + slot * slot_stride + g * head_stride;
       }
+      const float* qb = q + (b * H + g * group) * D;
       for (int64_t h = 0; h < group; ++h) {
+        float* sh = s.data() + h * n;
+        for (int64_t i = 0; i < n; i += 8)
+          scores8(qb + h * D, krows.data() + i, std::min<int64_t>(8, n - i), D, scale, sh + i);
+        // the running max, and each position's two factors; one of the two is exp(0) = 1 (the
+        // new score is the running max, or it is not and the max stays): that call is skipped
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) {
+          const float m_new = std::max(m, sh[i]);
+          const float dm = m - m_new;  // -inf for the first position (m = -inf): correction 0
+          const float ds = sh[i] - m_new;
+          corr[i] = dm == 0.0f ? 1.0f : std::exp(dm);
+          p[i] = ds == 0.0f ? 1.0f : std::exp(ds);
+          m = m_new;
+        }
+        const float l = accumulate(vrows.data(), corr.data(), p.data(), n, D, acc.data());
         float* o = out + (b * H + g * group + h) * D;
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[h * D + d] * inv;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
       }
     }
   }
@@ -122,17 +240,166 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
                         k.stride(0), k.stride(1), static_cast<float>(scale), window, threads);
 }
 
-// Mean of squares of each row of x [R, D] (rows at stride ld): torch's own `mean`, so the sum is
-// taken in torch's order; the squares are exact products either way.
-torch::Tensor mean_of_squares(const float* x, int64_t R, int64_t D, int64_t ld) {
+// ---- RMSNorm's mean of squares, summed in torch's order -----------------------------------
+//
+// torch's CPU sum of a contiguous row (SumKernel.cpp) adds in a fixed order: the row is read as
+// vectors of V floats; vector i goes to chain i % 4 (four independent accumulators, each a
+// cascade of partial sums over blocks of 16+ vectors), leftover vectors to chain 0, the chains
+// are folded 0 + 1 + 2 + 3, then the scalar tail is summed into a float that the V lanes are
+// added to in order. Rows shorter than V are summed as scalars with the same four chains. The
+// mean divides that sum by the row length. `sum_squares_torch_order<V>` reproduces this order.
+// V is whatever torch's build dispatches to (8 floats on AVX2 here); rather than assume it, each
+// row length is calibrated once against torch's own pow + mean on random rows, and a length
+// that matches no candidate keeps calling torch's mean.
+
+constexpr int kChains = 4, kLevels = 4;
+
+inline int64_t ceil_log2(int64_t v) {
+  int64_t r = 0;
+  while ((int64_t(1) << r) < v) ++r;
+  return r;
+}
+
+}  // namespace (reopened below: the summation must not be contracted either)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace {
+
+// Chains of W-wide elements: element e of chain c is elem(e * kChains + c). acc[c] gets the
+// chain's sum, accumulated level by level as torch's multi_row_sum does.
+template <int W, typename Elem>
+void chain_sums(const Elem& elem, int64_t size, float (*out)[W]) {
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
+  const int64_t level_step = int64_t(1) << level_power;
+  const int64_t level_mask = level_step - 1;
+  float acc[kLevels][kChains][W] = {};
+  float v[W];
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int c = 0; c < kChains; ++c) {
+        elem(i * kChains + c, v);
+        for (int l = 0; l < W; ++l) acc[0][c][l] = acc[0][c][l] + v[l];
+      }
+    for (int j = 1; j < kLevels; ++j) {
+      for (int c = 0; c < kChains; ++c)
+        for (int l = 0; l < W; ++l) {
+          acc[j][c][l] = acc[j][c][l] + acc[j - 1][c][l];
+          acc[j - 1][c][l] = 0.0f;
+        }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int c = 0; c < kChains; ++c) {
+      elem(i * kChains + c, v);
+      for (int l = 0; l < W; ++l) acc[0][c][l] = acc[0][c][l] + v[l];
+    }
+  for (int j = 1; j < kLevels; ++j)
+    for (int c = 0; c < kChains; ++c)
+      for (int l = 0; l < W; ++l) acc[0][c][l] = acc[0][c][l] + acc[j][c][l];
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < W; ++l) out[c][l] = acc[0][c][l];
+}
+
+// torch's row_sum: chains over the first size / 4 * 4 elements, the rest into chain 0, then fold.
+template <int W, typename Elem>
+void row_sum(const Elem& elem, int64_t size, float* out) {
+  float chains[kChains][W] = {};
+  const int64_t size_ilp = size / kChains;
+  if (size_ilp > 0) chain_sums<W>(elem, size_ilp, chains);
+  float v[W];
+  for (int64_t i = size_ilp * kChains; i < size; ++i) {
+    elem(i, v);
+    for (int l = 0; l < W; ++l) chains[0][l] = chains[0][l] + v[l];
+  }
+  for (int c = 1; c < kChains; ++c)
+    for (int l = 0; l < W; ++l) chains[0][l] = chains[0][l] + chains[c][l];
+  for (int l = 0; l < W; ++l) out[l] = chains[0][l];
+}
+
+template <int V>
+__attribute__((noinline)) float sum_squares_torch_order(const float* x, int64_t n) {
+  if (n < V) {
+    float r;
+    row_sum<1>([x](int64_t i, float* v) { v[0] = x[i] * x[i]; }, n, &r);
+    return 0.0f + r;
+  }
+  const int64_t vectors = n / V;
+  float lanes[V];
+  row_sum<V>(
+      [x](int64_t i, float* v) {
+        for (int l = 0; l < V; ++l) v[l] = x[i * V + l] * x[i * V + l];
+      },
+      vectors, lanes);
+  float total = 0.0f;
+  for (int64_t k = vectors * V; k < n; ++k) total = total + x[k] * x[k];
+  for (int l = 0; l < V; ++l) total = total + lanes[l];
+  return 0.0f + total;
+}
+
+}  // namespace
+#pragma GCC pop_options
+namespace {
+
+using SumFn = float (*)(const float*, int64_t);
+
+// The torch-order sum that reproduces torch's pow(x, 2).mean(-1) for rows of length D, or
+// nullptr when no candidate does (calibrated once per length on rows of widely ranging values).
+SumFn calibrated_sum(int64_t D) {
+  static std::mutex mutex;
+  static std::map<int64_t, SumFn> chosen;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = chosen.find(D);
+  if (it != chosen.end()) return it->second;
+  const int64_t R = 64;
+  auto x = torch::empty({R, D}, torch::kFloat32);
+  float* xp = x.data_ptr<float>();
+  uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(D);
+  for (int64_t i = 0; i < R * D; ++i) {  // mantissas and exponents spread wide: orders disagree
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const float u = static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f - 0.5f;
+    xp[i] = std::ldexp(u, static_cast<int>((state >> 20) % 24) - 12);
+  }
+  auto expect = at::pow(x, 2).mean({-1}, /*keepdim=*/true).contiguous();
+  const float* ep = expect.data_ptr<float>();
+  SumFn result = nullptr;
+  for (SumFn candidate : {&sum_squares_torch_order<8>, &sum_squares_torch_order<16>, &sum_squares_torch_order<4>}) {
+    bool same = true;
+    for (int64_t r = 0; r < R && same; ++r) {
+      const float mine = candidate(xp + r * D, D) / static_cast<float>(D);
+      same = std::memcmp(&mine, ep + r, sizeof(float)) == 0;
+    }
+    if (same) {
+      result = candidate;
+      break;
+    }
+  }
+  chosen[D] = result;
+  return result;
+}
+
+// Lanes of the torch-order sum for rows of length D (0: torch's mean is called instead).
+int64_t rms_sum_width(int64_t D) {
+  const SumFn sum = calibrated_sum(D);
+  return sum == &sum_squares_torch_order<8> ? 8 : sum == &sum_squares_torch_order<16> ? 16
+                                                 : sum == &sum_squares_torch_order<4> ? 4 : 0;
+}
+
+// Mean of squares of each of R rows of x (row r at x + r * ld, D values): as torch's
+// x.pow(2).mean(-1) gives it, into out[R].
+void mean_of_squares(const float* x, int64_t R, int64_t D, int64_t ld, float* out) {
+  if (SumFn sum = calibrated_sum(D)) {
+    const float d = static_cast<float>(D);
+    for (int64_t r = 0; r < R; ++r) out[r] = sum(x + r * ld, D) / d;
+    return;
+  }
   auto sq = torch::empty({R, D}, torch::kFloat32);
   float* s = sq.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x + r * ld;
-    float* sr = s + r * D;
-    for (int64_t d = 0; d < D; ++d) sr[d] = xr[d] * xr[d];
-  }
-  return at::mean(sq, {-1}).contiguous();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) s[r * D + d] = x[r * ld + d] * x[r * ld + d];
+  auto ms = at::mean(sq, {-1}).contiguous();
+  std::copy(ms.data_ptr<float>(), ms.data_ptr<float>() + R, out);
 }
 
 // The elementwise steps below must round exactly as torch's ops do: no contraction of a product
@@ -220,7 +487,7 @@ torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Ten
   const float* x = qkv.data_ptr<float>();
   const int64_t ld = qkv.stride(0);
   const int64_t QK = H + KVH;  // heads that get RMSNorm and RoPE
-  torch::Tensor ms;
+  std::vector<float> ms;
   const float *qw = nullptr, *kw = nullptr;
   torch::Tensor qwc, kwc;
   if (q_norm.has_value()) {
@@ -230,13 +497,10 @@ torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Ten
     qw = qwc.data_ptr<float>();
     kw = kwc.data_ptr<float>();
     // rows of D values: head j of token b starts at b * ld + j * D
-    auto sq = torch::empty({B * QK, D}, torch::kFloat32);
-    float* s = sq.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t j = 0; j < QK * D; ++j) s[b * QK * D + j] = x[b * ld + j] * x[b * ld + j];
-    ms = at::mean(sq, {-1}).contiguous();
+    ms.resize(B * QK);
+    for (int64_t b = 0; b < B; ++b) mean_of_squares(x + b * ld, QK, D, D, ms.data() + b * QK);
   }
-  const float* msp = ms.defined() ? ms.data_ptr<float>() : nullptr;
+  const float* msp = ms.empty() ? nullptr : ms.data();
   const float epsf = static_cast<float>(eps);
   auto qr = torch::empty({B, H, D}, qkv.options());
   float* qo = qr.data_ptr<float>();
@@ -282,9 +546,10 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
     auto dc = delta->contiguous();
     add_rows(hp, dc.data_ptr<float>(), N * D);
   }
-  auto ms = mean_of_squares(hp, N, D, D);
+  std::vector<float> ms(N);
+  mean_of_squares(hp, N, D, D, ms.data());
   auto out = torch::empty({N, D}, h.options());
-  const float* msp = ms.data_ptr<float>();
+  const float* msp = ms.data();
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float epsf = static_cast<float>(eps);
@@ -344,5 +609,6 @@ void register_attention(pybind11::module& m) {
   m.def("decode_attention_block", &decode_attention_block,
         "A decode step's attention: q/k RMSNorm, RoPE, K/V write, paged attention (float32)");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm of h (float32)");
+  m.def("rms_sum_width", &rms_sum_width, "Lanes of the torch-order RMSNorm sum for rows of length D (0: torch's mean)");
   m.def("route_topk", &route_topk, "Top-k of router probabilities, ties to the lower index (float32)");
 }
