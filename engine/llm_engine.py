@@ -56,6 +56,15 @@ class GenerationResult:
         return tokens, seconds
 
 
+def _new_token_ids(s: Sequence) -> list[int]:
+    """`s.new_token_ids` without first joining prompt and output (a decode step's one new token
+    would otherwise cost a copy of the whole sequence)."""
+    prompt = len(s.prompt_ids)
+    if s.num_cached >= prompt:
+        return s.output_ids[s.num_cached - prompt:]
+    return s.prompt_ids[s.num_cached:] + s.output_ids
+
+
 def _burn(seconds: float) -> None:
     """Real extra work (matrix products, not a sleep) for the gate's power benchmark only."""
     x = torch.ones(64, 64)
@@ -71,6 +80,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.runtime = runtime
         self.eos_ids = set(self.cfg.eos_token_ids)
+        self._read_sizes = None  # see _bytes_read
         if tokenizer is not None and not self.eos_ids:
             for name in ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>"):
                 tid = tokenizer.token_to_id(name)
@@ -152,7 +162,7 @@ class Engine:
     def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
               step_start):
         rt = self.runtime
-        new_tokens = [s.new_token_ids for s in seqs]
+        new_tokens = [_new_token_ids(s) for s in seqs]
         in_prefill = [s.in_prefill for s in seqs]
         for s in seqs:
             block_manager.ensure_capacity(s.block_table, s.num_tokens)
@@ -207,12 +217,15 @@ class Engine:
     def _bytes_read(self, stats_experts: dict, seqs) -> int:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
         cfg = self.cfg
-        elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
-        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        if self._read_sizes is None:  # per-model constants, worked out once
+            elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
+            moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+            attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+            other = (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size) * elt
+            self._read_sizes = (elt, moe_layers, other)
+        elt, moe_layers, other = self._read_sizes
         expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * elt
-        attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-        other = (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size) * elt
-        kv_tokens = sum(s.num_tokens for s in seqs)
+        kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs)
         kv = kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
         return int(expert_bytes + other + kv)
 

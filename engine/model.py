@@ -6,6 +6,7 @@ configured MoE kernel. Plain tensors, no autograd: the model is only ever run fo
 from __future__ import annotations
 
 import os
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -94,15 +95,18 @@ def build_forward_batch(
         blocks.extend(used)
         blocks.extend(used[:1] * (max_blocks - len(used)))
     N = len(input_ids)
-    flat = torch.tensor(input_ids + positions + slots + ctx_lens + blocks).to(device)
+    # one int64 buffer (array -> tensor is a copy of machine ints, unlike torch.tensor's per-item
+    # parsing of a list), split into views
+    flat = torch.frombuffer(array("q", input_ids + positions + slots + ctx_lens + blocks), dtype=torch.int64)
+    input_ids_t, positions_t, slots_t, ctx_t, blocks_t = flat.to(device).split([N, N, N, B, B * max_blocks])
     return ForwardBatch(
-        input_ids=flat[:N],
-        positions=flat[N : 2 * N],
-        slot_mapping=flat[2 * N : 3 * N],
+        input_ids=input_ids_t,
+        positions=positions_t,
+        slot_mapping=slots_t,
         batch_size=B,
         max_q=max_q,
-        context_blocks=flat[3 * N + B :].view(B, max_blocks),
-        context_lens=flat[3 * N : 3 * N + B],
+        context_blocks=blocks_t.view(B, max_blocks),
+        context_lens=ctx_t,
         num_cached=num_cached,
         q_lens=q_lens,
         max_position=max_ctx - 1,

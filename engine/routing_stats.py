@@ -21,10 +21,16 @@ class RoutingStats:
 
     def take_step(self) -> dict:
         """Step summary (mean over the step's MoE calls), then reset. Counted once per step, for all
-        layers at once, in numpy: a handful of small torch ops per layer would cost more than the
-        counting. The means are float32, as torch computes them (the imbalance mean by torch)."""
+        layers at once, in the C++ extension (else numpy): a handful of small torch ops per layer
+        would cost more than the counting. The means are float32, as torch computes them."""
         if not self._step:
             return {"distinct_experts": 0.0, "expert_imbalance": 0.0}
+        ext = _extension()
+        if ext is not None:  # the same counting and float32 means in one C++ call
+            ids = [t if t.device.type == "cpu" else t.cpu() for _, t in self._step]
+            distinct_mean, imbalance_mean = ext.routing_step_summary(ids, [layer for layer, _ in self._step], self.load)
+            self._step = []
+            return {"distinct_experts": distinct_mean, "expert_imbalance": imbalance_mean}
         E = self._load.shape[1]
         rows = len(self._step)
         ids = [t for _, t in self._step]
@@ -51,3 +57,11 @@ class RoutingStats:
         distinct_mean = np.float32(distinct.sum()) / np.float32(rows)
         return {"distinct_experts": float(distinct_mean),
                 "expert_imbalance": float(torch.from_numpy(imbalance).mean())}
+
+
+def _extension():
+    """The CPU extension when it is built and has the routing summary, else None (numpy counts)."""
+    from moebench.kernels.cpu_moe import load_extension
+
+    ext = load_extension()
+    return ext if ext is not None and hasattr(ext, "routing_step_summary") else None

@@ -170,7 +170,14 @@ def _torch_routing_summary(steps, num_layers, num_experts):
     return out, load
 
 
-def test_routing_stats_match_torch_counting():
+@pytest.mark.parametrize("counting", ["extension", "numpy"])
+def test_routing_stats_match_torch_counting(counting, monkeypatch):
+    from moebench.engine import routing_stats
+
+    if counting == "numpy":
+        monkeypatch.setattr(routing_stats, "_extension", lambda: None)
+    elif routing_stats._extension() is None:
+        pytest.skip("the CPU extension is not available")
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
         num_layers, num_experts = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(2, 70, (1,), generator=g))

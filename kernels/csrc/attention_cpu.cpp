@@ -247,7 +247,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
 // cascade of partial sums over blocks of 16+ vectors), leftover vectors to chain 0, the chains
 // are folded 0 + 1 + 2 + 3, then the scalar tail is summed into a float that the V lanes are
 // added to in order. Rows shorter than V are summed as scalars with the same four chains. The
-// mean divides that sum by the row length. `sum_squares_torch_order<V>` reproduces this order.
+// mean divides that sum by the row length. `sum_torch_order<V, square>` reproduces this order.
 // V is whatever torch's build dispatches to (8 floats on AVX2 here); rather than assume it, each
 // row length is calibrated once against torch's own pow + mean on random rows, and a length
 // that matches no candidate keeps calling torch's mean.
@@ -318,22 +318,23 @@ void row_sum(const Elem& elem, int64_t size, float* out) {
   for (int l = 0; l < W; ++l) out[l] = chains[0][l];
 }
 
-template <int V>
-__attribute__((noinline)) float sum_squares_torch_order(const float* x, int64_t n) {
+template <int V, bool Square>
+__attribute__((noinline)) float sum_torch_order(const float* x, int64_t n) {
+  auto value = [x](int64_t i) { return Square ? x[i] * x[i] : x[i]; };
   if (n < V) {
     float r;
-    row_sum<1>([x](int64_t i, float* v) { v[0] = x[i] * x[i]; }, n, &r);
+    row_sum<1>([&value](int64_t i, float* v) { v[0] = value(i); }, n, &r);
     return 0.0f + r;
   }
   const int64_t vectors = n / V;
   float lanes[V];
   row_sum<V>(
-      [x](int64_t i, float* v) {
-        for (int l = 0; l < V; ++l) v[l] = x[i * V + l] * x[i * V + l];
+      [&value](int64_t i, float* v) {
+        for (int l = 0; l < V; ++l) v[l] = value(i * V + l);
       },
       vectors, lanes);
   float total = 0.0f;
-  for (int64_t k = vectors * V; k < n; ++k) total = total + x[k] * x[k];
+  for (int64_t k = vectors * V; k < n; ++k) total = total + value(k);
   for (int l = 0; l < V; ++l) total = total + lanes[l];
   return 0.0f + total;
 }
@@ -344,27 +345,31 @@ namespace {
 
 using SumFn = float (*)(const float*, int64_t);
 
-// The torch-order sum that reproduces torch's pow(x, 2).mean(-1) for rows of length D, or
-// nullptr when no candidate does (calibrated once per length on rows of widely ranging values).
-SumFn calibrated_sum(int64_t D) {
+// The torch-order sum that reproduces torch's mean over rows of length D (of the squares with
+// `square`, as pow(x, 2).mean(-1)), or nullptr when no candidate does. Calibrated once per
+// length on rows of widely ranging values, where different orders disagree.
+SumFn calibrated_sum(int64_t D, bool square) {
   static std::mutex mutex;
-  static std::map<int64_t, SumFn> chosen;
+  static std::map<std::pair<int64_t, bool>, SumFn> chosen;
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = chosen.find(D);
+  auto it = chosen.find({D, square});
   if (it != chosen.end()) return it->second;
   const int64_t R = 64;
   auto x = torch::empty({R, D}, torch::kFloat32);
   float* xp = x.data_ptr<float>();
   uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(D);
-  for (int64_t i = 0; i < R * D; ++i) {  // mantissas and exponents spread wide: orders disagree
+  for (int64_t i = 0; i < R * D; ++i) {  // mantissas and exponents spread wide
     state = state * 6364136223846793005ull + 1442695040888963407ull;
     const float u = static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f - 0.5f;
     xp[i] = std::ldexp(u, static_cast<int>((state >> 20) % 24) - 12);
   }
-  auto expect = at::pow(x, 2).mean({-1}, /*keepdim=*/true).contiguous();
+  auto expect = (square ? at::pow(x, 2) : x).mean({-1}, /*keepdim=*/true).contiguous();
   const float* ep = expect.data_ptr<float>();
+  const SumFn candidates[] = {square ? &sum_torch_order<8, true> : &sum_torch_order<8, false>,
+                              square ? &sum_torch_order<16, true> : &sum_torch_order<16, false>,
+                              square ? &sum_torch_order<4, true> : &sum_torch_order<4, false>};
   SumFn result = nullptr;
-  for (SumFn candidate : {&sum_squares_torch_order<8>, &sum_squares_torch_order<16>, &sum_squares_torch_order<4>}) {
+  for (SumFn candidate : candidates) {
     bool same = true;
     for (int64_t r = 0; r < R && same; ++r) {
       const float mine = candidate(xp + r * D, D) / static_cast<float>(D);
@@ -375,21 +380,27 @@ SumFn calibrated_sum(int64_t D) {
       break;
     }
   }
-  chosen[D] = result;
+  chosen[{D, square}] = result;
   return result;
 }
 
-// Lanes of the torch-order sum for rows of length D (0: torch's mean is called instead).
+// Lanes of the torch-order sum of squares for rows of length D (0: torch's mean is called instead).
 int64_t rms_sum_width(int64_t D) {
-  const SumFn sum = calibrated_sum(D);
-  return sum == &sum_squares_torch_order<8> ? 8 : sum == &sum_squares_torch_order<16> ? 16
-                                                 : sum == &sum_squares_torch_order<4> ? 4 : 0;
+  const SumFn sum = calibrated_sum(D, true);
+  return sum == &sum_torch_order<8, true> ? 8 : sum == &sum_torch_order<16, true> ? 16
+                                               : sum == &sum_torch_order<4, true> ? 4 : 0;
+}
+
+// torch's float32 mean of x[0:n], as a contiguous tensor's mean() gives it.
+float mean_torch_order(const float* x, int64_t n) {
+  if (SumFn sum = calibrated_sum(n, false)) return sum(x, n) / static_cast<float>(n);
+  return torch::from_blob(const_cast<float*>(x), {n}, torch::kFloat32).mean().item<float>();
 }
 
 // Mean of squares of each of R rows of x (row r at x + r * ld, D values): as torch's
 // x.pow(2).mean(-1) gives it, into out[R].
 void mean_of_squares(const float* x, int64_t R, int64_t D, int64_t ld, float* out) {
-  if (SumFn sum = calibrated_sum(D)) {
+  if (SumFn sum = calibrated_sum(D, true)) {
     const float d = static_cast<float>(D);
     for (int64_t r = 0; r < R; ++r) out[r] = sum(x + r * ld, D) / d;
     return;
@@ -603,6 +614,45 @@ std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renor
   return {weights, ids};
 }
 
+// A step's routing summary, as RoutingStats computed it with torch ops: ids[r] [tokens, k] int64
+// are the experts MoE call r chose, for layer layers[r]; load [layers, E] int64 gets each call's
+// per-expert token counts added. Returns (mean over calls of the distinct experts, mean over calls
+// of max count * distinct / tokens routed), float32 values as torch's float32 means give them.
+std::tuple<double, double> routing_step_summary(std::vector<torch::Tensor> ids, std::vector<int64_t> layers,
+                                                torch::Tensor load) {
+  TORCH_CHECK(load.dim() == 2 && load.scalar_type() == torch::kInt64 && load.is_contiguous(),
+              "routing_step_summary: load must be a contiguous int64 [layers, experts] tensor");
+  const int64_t rows = static_cast<int64_t>(ids.size()), E = load.size(1);
+  TORCH_CHECK(rows > 0 && static_cast<int64_t>(layers.size()) == rows,
+              "routing_step_summary: one layer per call, at least one call");
+  std::vector<int64_t> counts(E);
+  std::vector<float> imbalance(rows);
+  int64_t distinct_total = 0;
+  int64_t* lp = load.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(layers[r] >= 0 && layers[r] < load.size(0), "routing_step_summary: layer ", layers[r], " out of range");
+    auto t = ids[r].to(torch::kInt64).contiguous();
+    const int64_t* ip = t.data_ptr<int64_t>();
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "routing_step_summary: expert id ", ip[i], " out of range");
+      ++counts[ip[i]];
+    }
+    int64_t distinct = 0, most = 0, total = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      lp[layers[r] * E + e] += counts[e];
+      distinct += counts[e] > 0;
+      most = std::max(most, counts[e]);
+      total += counts[e];
+    }
+    distinct_total += distinct;
+    // torch: int64 product, true division of int64 tensors in float32
+    imbalance[r] = static_cast<float>(most * distinct) / static_cast<float>(total);
+  }
+  const float distinct_mean = static_cast<float>(distinct_total) / static_cast<float>(rows);  // exact sum of ints
+  return {distinct_mean, mean_torch_order(imbalance.data(), rows)};
+}
+
 void register_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention (one query per sequence) over a paged float32 KV cache");
@@ -610,5 +660,6 @@ void register_attention(pybind11::module& m) {
         "A decode step's attention: q/k RMSNorm, RoPE, K/V write, paged attention (float32)");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm of h (float32)");
   m.def("rms_sum_width", &rms_sum_width, "Lanes of the torch-order RMSNorm sum for rows of length D (0: torch's mean)");
+  m.def("routing_step_summary", &routing_step_summary, "A step's routing counts, load update and summary");
   m.def("route_topk", &route_topk, "Top-k of router probabilities, ties to the lower index (float32)");
 }
