@@ -53,6 +53,20 @@ def test_rms_norm_sum_order_every_length(ops):
         pytest.skip("torch's sum order was not recognised here: RMSNorm calls torch's mean (exact, slower)")
 
 
+def test_rms_norm_with_two_threads(ops):
+    """torch splits the rows of a large norm over threads, and one very long row too."""
+    g = torch.Generator().manual_seed(8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for shape in ((400, 192), (1, 40000), (3, 40000)):
+            x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
+            w = torch.randn(shape[1], generator=g)
+            assert torch.equal(ops.add_rms_norm(x.clone(), None, w, 1e-6), F.rms_norm(x, (shape[1],), w, 1e-6)), shape
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 48), (6, 2, 16), (3, 3, 10)])

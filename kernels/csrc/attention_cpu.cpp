@@ -393,14 +393,17 @@ int64_t rms_sum_width(int64_t D) {
 
 // torch's float32 mean of x[0:n], as a contiguous tensor's mean() gives it.
 float mean_torch_order(const float* x, int64_t n) {
-  if (SumFn sum = calibrated_sum(n, false)) return sum(x, n) / static_cast<float>(n);
+  const bool split_row = n >= 32768 && at::get_num_threads() > 1;  // see mean_of_squares
+  if (SumFn sum = split_row ? nullptr : calibrated_sum(n, false)) return sum(x, n) / static_cast<float>(n);
   return torch::from_blob(const_cast<float*>(x), {n}, torch::kFloat32).mean().item<float>();
 }
 
 // Mean of squares of each of R rows of x (row r at x + r * ld, D values): as torch's
 // x.pow(2).mean(-1) gives it, into out[R].
 void mean_of_squares(const float* x, int64_t R, int64_t D, int64_t ld, float* out) {
-  if (SumFn sum = calibrated_sum(D, true)) {
+  // torch splits one long row over threads (a single output of 32768+ values): not this order
+  const bool split_row = R == 1 && D >= 32768 && at::get_num_threads() > 1;
+  if (SumFn sum = split_row ? nullptr : calibrated_sum(D, true)) {
     const float d = static_cast<float>(D);
     for (int64_t r = 0; r < R; ++r) out[r] = sum(x + r * ld, D) / d;
     return;
