@@ -160,8 +160,8 @@ class MoeTransformer:
     On the CPU in float32 the small ops of a step run in the C++ extension (kernels/csrc/
     attention_cpu.cpp) where it is built: residual add + RMSNorm in one call, a decode step's
     attention from the qkv projection to the output projection in one call, the router's top-k.
-    Each computes exactly what the torch ops it replaces compute (tests compare bit for bit);
-    matmuls, softmax and the RMSNorm mean stay torch's own."""
+    Each computes exactly what the torch ops it replaces compute (tests compare bit for bit):
+    matmuls and softmax stay torch's own, the RMSNorm mean is summed in torch's order."""
 
     def __init__(self, ckpt: Checkpoint, moe_block):
         self.ckpt = ckpt
@@ -232,8 +232,9 @@ class MoeTransformer:
     def route(self, x, layer_idx: int):
         logits = F.linear(x, self.ckpt.layers[layer_idx].router)
         cfg = self.cfg
+        # route_softmax_topk's softmax, then its stable top-k and renormalization in one call; the
+        # renormalization's sum is one rounding for k <= 2, a torch reduction order beyond
         if self.ops is not None and logits.dtype == torch.float32 and (cfg.top_k <= 2 or not cfg.norm_topk_prob):
-            # route_softmax_topk's softmax, then its stable top-k and renormalization in one call
             return self.ops.route_topk(torch.softmax(logits, dim=-1), cfg.top_k, cfg.norm_topk_prob)
         weights, ids = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
