@@ -18,6 +18,7 @@ torch (skip the extension).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -38,8 +39,24 @@ log = logging.getLogger("moebench.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "moe_cpu.cpp"
 CSRC_ATTENTION = CSRC.with_name("attention_cpu.cpp")  # paged decode attention, same extension
-EXTENSION_NAME = "moebench_moe_cpu"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# No contraction of a * b + c into one fused multiply-add where the source does not ask for one
+# (explicit FMA intrinsics are unaffected): contracted, `out += w * y` rounds differently depending
+# on which of a token's experts is added first, i.e. on the slots the expert store happened to pick,
+# and offloaded runs would no longer match resident ones bit for bit.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+
+
+def extension_name(base: str, sources: list[Path], flags: list[str]) -> str:
+    """`base` plus a digest of the sources and flags. torch caches a build by name; two checkouts
+    (or an old and a new version) building one name in turn load each other's library, or rebuild
+    it under each other's feet."""
+    digest = hashlib.sha256("\0".join(flags).encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    return f"{base}_{digest.hexdigest()[:12]}"
+
+
+EXTENSION_NAME = extension_name("moebench_moe_cpu", [CSRC, CSRC_ATTENTION], CFLAGS)
 
 BACKEND_CPP = "cpp-avx2-openmp"
 BACKEND_TORCH = "torch-grouped"

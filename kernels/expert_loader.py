@@ -30,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from .cpu_moe import extension_name, find_ninja
+
 COPY, BF16_TO_F32, F16_TO_F32 = 0, 1, 2
 _KINDS = {(torch.bfloat16, torch.float32): BF16_TO_F32, (torch.float16, torch.float32): F16_TO_F32}
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "expert_loader.cpp"
-EXTENSION_NAME = "moebench_expert_loader"
+CFLAGS = ["-O3"]
+EXTENSION_NAME = extension_name("moebench_expert_loader", [CSRC], CFLAGS)
 
 _lock = threading.Lock()
 _ext = None
@@ -64,11 +67,9 @@ def load_extension():
             try:
                 from torch.utils.cpp_extension import load
 
-                from .cpu_moe import find_ninja
-
                 if find_ninja() is None:
                     raise RuntimeError("ninja not found (pip install ninja)")
-                _ext = load(name=EXTENSION_NAME, sources=[str(CSRC)], extra_cflags=["-O3"], verbose=False)
+                _ext = load(name=EXTENSION_NAME, sources=[str(CSRC)], extra_cflags=CFLAGS, verbose=False)
             except Exception as e:  # no compiler, no ninja, read-only cache...
                 failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
                 if mode == "native":
