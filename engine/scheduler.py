@@ -89,7 +89,7 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, batch_size: int, block_manager: BlockManager, max_tokens_per_step: int, admission=None):
         super().__init__(batch_size, block_manager, max_tokens_per_step)
-        from moebench.engine.admission import FifoAdmission
+        from moebench.engine.admission import AdmissionPolicy, FifoAdmission
 
         self.admission = admission or FifoAdmission()
         self.lookahead = self.admission.lookahead(batch_size)
@@ -105,8 +105,11 @@ class ContinuousScheduler(Scheduler):
         self._preempted: set[int] = set()
         self._decoded: set[int] = set()  # id(seq) of requests that have had a decode step
         self._stats = None
+        self._learns = type(self.admission).observe is not AdmissionPolicy.observe  # fifo ignores routing
         self._last_batch: list[Sequence] = []
-        self._last_lens: list[int] = []
+        self._last_lens: list[int] | None = None  # tokens per sequence of the last step; None: one each
+        self._max_blocks_of: dict[int, int] = {}  # id(seq) -> KV blocks at its longest length
+        self._finished_since = False  # a request finished since the last schedule()
 
     def attach(self, stats) -> None:
         """The engine hands over its RoutingStats; the admission policy learns from each step's routing."""
@@ -120,23 +123,40 @@ class ContinuousScheduler(Scheduler):
     def has_work(self) -> bool:
         return bool(self.waiting) or any(not s.finished for s in self.running)
 
+    def finish(self, seq: Sequence) -> None:
+        super().finish(seq)
+        self._finished_since = True
+
     def schedule(self) -> list[Sequence]:
-        still = [s for s in self.running if not s.finished]
-        decoding = [s for s in still if id(s) in self._decoded]
-        if decoding and len(still) < len(self.running) and (self.waiting or len(decoding) < len(still)):
-            # a slot came free while others kept decoding and requests waited: a static batch would
-            # leave it empty; counted so that activation can tell "nothing to do" from "did not run"
-            self.opportunities += 1
-        self.running = still
-        if self._stats is not None and self._last_batch:
+        if self._finished_since:
+            self._finished_since = False
+            still = [s for s in self.running if not s.finished]
+            if len(still) < len(self.running):
+                decoded = self._decoded
+                decoding = sum(1 for s in still if id(s) in decoded)
+                if decoding and (self.waiting or decoding < len(still)):
+                    # a slot came free while others kept decoding and requests waited: a static batch
+                    # would leave it empty; counted so that activation can tell "nothing to do" from
+                    # "did not run"
+                    self.opportunities += 1
+            self.running = still
+        if self._learns and self._stats is not None and self._last_batch:
             self.admission.observe(self._last_batch, self._last_lens, self._stats.last_topk)
-        batch = self._prefill() or self._decode()
+        batch = self._prefill()
+        if batch:
+            self._last_lens = [s.num_tokens - s.num_cached for s in batch]
+        else:
+            batch = self._decode()
+            self._last_lens = None  # a decode step: one new token per sequence
         self._last_batch = batch
-        self._last_lens = [s.num_tokens - s.num_cached for s in batch]
         return batch
 
     def _max_blocks(self, seq: Sequence) -> int:
-        return self.block_manager.blocks_needed(len(seq.prompt_ids) + seq.max_new_tokens)
+        n = self._max_blocks_of.get(id(seq))
+        if n is None:
+            n = self.block_manager.blocks_needed(len(seq.prompt_ids) + seq.max_new_tokens)
+            self._max_blocks_of[id(seq)] = n
+        return n
 
     def _prefill(self) -> list[Sequence]:
         """A prefill step for waiting requests, in arrival order, as far as free slots (plus the
@@ -147,7 +167,7 @@ class ContinuousScheduler(Scheduler):
         bm = self.block_manager
         # Requests beyond batch_size (candidates for the policy) must never cost a running one its
         # KV: admit them only while every admitted request could reach its longest length at once.
-        committed = sum(self._max_blocks(s) for s in self.running)
+        committed = None  # blocks of all admitted requests at their longest, counted when first needed
         chosen: list[Sequence] = []
         tokens = 0
         for seq in self.waiting:
@@ -157,6 +177,8 @@ class ContinuousScheduler(Scheduler):
             if chosen and tokens + n > self.max_tokens_per_step:
                 break  # this one leads the next prefill step
             if len(chosen) >= slots:
+                if committed is None:
+                    committed = sum(map(self._max_blocks, self.running)) + sum(map(self._max_blocks, chosen))
                 if committed + self._max_blocks(seq) > bm.num_blocks:
                     break
             # Leave one block per admitted sequence free so that the next decode step, which grows
@@ -164,7 +186,8 @@ class ContinuousScheduler(Scheduler):
             elif not bm.can_fit(seq.block_table, seq.num_tokens, reserve=len(self.running) + len(chosen)):
                 break  # back-pressure: wait for blocks; later requests must not overtake in memory
             bm.ensure_capacity(seq.block_table, seq.num_tokens)
-            committed += self._max_blocks(seq)
+            if committed is not None:
+                committed += self._max_blocks(seq)
             chosen.append(seq)
             tokens += n
         if not chosen:
@@ -191,14 +214,19 @@ class ContinuousScheduler(Scheduler):
         room for one more token. When blocks run out, a request that has not decoded yet is dropped
         first, else the most recently admitted one (possibly one of the batch) is preempted."""
         bm = self.block_manager
-        if len(self.running) > self.batch_size and any(id(s) in self._decoded for s in self.running) \
-                and any(id(s) not in self._decoded for s in self.running):
+        if len(self.running) > self.batch_size \
+                and 0 < len(self._decoded.intersection(map(id, self.running))) < len(self.running):
             self.opportunities += 1  # the policy may swap a prefilled request into a decoding batch
         batch = self.admission.select(self.running, self.batch_size)
+        block_size = bm.block_size
         i = 0
         while i < len(batch):
+            seq = batch[i]
+            if len(seq.block_table) * block_size >= seq.num_tokens:
+                i += 1  # room for the step's token already (most steps)
+                continue
             try:
-                bm.ensure_capacity(batch[i].block_table, batch[i].num_tokens)
+                bm.ensure_capacity(seq.block_table, seq.num_tokens)
                 i += 1
             except OutOfBlocks:
                 idle = [s for s in self.running if id(s) not in self._decoded and all(s is not b for b in batch)]
@@ -207,10 +235,11 @@ class ContinuousScheduler(Scheduler):
                 if any(s is victim for s in batch[:i]):
                     i -= 1  # it had grown already; the one after it moves into its place
                 batch = [s for s in batch if s is not victim]
-        joining = [s for s in batch if id(s) not in self._decoded]
-        if joining and len(joining) < len(batch):
-            self.admissions_mid_flight += len(joining)
-        self._decoded.update(id(s) for s in batch)
+        before = len(self._decoded)
+        self._decoded.update(map(id, batch))
+        joining = len(self._decoded) - before  # first decode step of these
+        if 0 < joining < len(batch):
+            self.admissions_mid_flight += joining
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

@@ -84,7 +84,8 @@ def _percentile(values, q):
 class Lockstep:
     """Round-robin baton over the configs' engines, each in its own thread: one engine runs one
     step, then hands over. Load from other processes then hits every config alike, step by step.
-    The engine times only its forward, so waiting for the baton never enters a step's duration."""
+    The baton passes between steps (in `has_work`, which the engine calls outside a step's timed
+    window), so waiting for it never enters a step's duration."""
 
     def __init__(self, n: int):
         self.cond = threading.Condition()
@@ -114,15 +115,20 @@ class Lockstep:
 
 
 class StepClock:
-    """Wraps a scheduler: passes the baton at every step and keeps the engine's own clock (the
-    time spent between its schedule() calls, waiting excluded), so queue waits and latencies are
-    those the config would have had alone."""
+    """Wraps a scheduler: passes the baton between steps and keeps the engine's own clock (its time
+    from getting the baton to handing it over, waiting excluded), so queue waits and latencies are
+    those the config would have had alone.
+
+    The engine calls `has_work()` before each step, outside the step's timed window (a step's
+    `duration_s` starts just before `schedule()`), so the baton changes hands there: a step's
+    duration is the engine's own work for it. (Handing over inside `schedule()` put the other
+    configs' steps into every step's duration.)"""
 
     def __init__(self, scheduler, lockstep: Lockstep | None, index: int):
         self._inner = scheduler
         self._lockstep, self._index = lockstep, index
         self.clock = 0.0
-        self._since = None
+        self._since = None  # when this engine last got the baton (perf_counter)
         self.first = {}  # request id -> own-clock time its first step started (queue wait)
         self.second = {}  # request id -> own-clock time its first decode step ended
         self.last = {}  # request id -> own-clock time its last step ended
@@ -131,34 +137,35 @@ class StepClock:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def schedule(self):
-        now = time.perf_counter()
+    def _step_ended(self):
+        self.clock += time.perf_counter() - self._since
+        for seq in self._batch:
+            self.last[seq.id] = self.clock
+            if len(seq.output_ids) >= 2:
+                self.second.setdefault(seq.id, self.clock)
+        self._batch = []
+
+    def has_work(self):
         if self._since is None:
             if self._lockstep:
                 self._lockstep.enter(self._index)
         else:
-            self.clock += now - self._since
-            for seq in self._batch:
-                self.last[seq.id] = self.clock
-                if len(seq.output_ids) >= 2:
-                    self.second.setdefault(seq.id, self.clock)
+            self._step_ended()
             if self._lockstep:
                 self._lockstep.hand_over(self._index)
-        batch = self._inner.schedule()
-        for seq in batch:
-            self.first.setdefault(seq.id, self.clock)
-        self._batch = batch
         self._since = time.perf_counter()
+        return self._inner.has_work()
+
+    def schedule(self):
+        batch = self._inner.schedule()
+        now = self.clock + (time.perf_counter() - self._since)
+        for seq in batch:
+            self.first.setdefault(seq.id, now)
+        self._batch = batch
         return batch
 
     def close(self):
-        if self._since is not None:
-            self.clock += time.perf_counter() - self._since
-            for seq in self._batch:
-                self.last[seq.id] = self.clock
-                if len(seq.output_ids) >= 2:
-                    self.second.setdefault(seq.id, self.clock)
-            self._since = None
+        self._since = None  # the last step was counted when the engine asked has_work() after it
 
 
 def _metrics(result, clock: StepClock, full: int) -> dict:
@@ -170,6 +177,9 @@ def _metrics(result, clock: StepClock, full: int) -> dict:
         "decode_tokens": tokens,
         "decode_s": seconds,
         "decode_steps": len(decode),
+        # what a decode step costs besides the forward: choosing and building the batch, sampling, bookkeeping
+        "decode_other_ms": (1e3 * statistics.fmean(s["duration_s"] - s["forward_s"] for s in decode)
+                            if decode else float("nan")),
         "prefill_s": sum(s["duration_s"] for s in result.steps if s["phase"] != "decode"),
         "mean_batch": statistics.fmean(s["batch_size"] for s in decode) if decode else 0.0,
         "distinct_experts": statistics.fmean(s["distinct_experts"] for s in decode) if decode else 0.0,
@@ -276,6 +286,7 @@ def bench(
                   f"distinct {m['distinct_experts']:5.2f} (full batch {m['distinct_full']:5.2f})  "
                   f"queue p95 {m['queue_wait_p95_s']:6.1f}s  2nd-token p95 {m['second_token_p95_s']:6.1f}s  "
                   f"latency p95 {m['latency_p95_s']:6.1f}s  own time {m['own_time_s']:6.1f}s  "
+                  f"decode step beyond forward {m['decode_other_ms']:5.3f} ms  "
                   f"{json.dumps(m['evidence'])}{'  ERRORS ' + str(m['errors']) if m['errors'] else ''}", flush=True)
     llm_engine.make_scheduler = original_make
     print()
@@ -290,6 +301,12 @@ def bench(
               f"(full batch {med['distinct_full']:5.2f})  queue p95 {med['queue_wait_p95_s']:6.1f}s  "
               f"2nd-token p95 {med['second_token_p95_s']:6.1f}s  latency p95 {med['latency_p95_s']:6.1f}s  "
               f"mean decode batch {med['mean_batch']:5.2f}  identical to {names[0]} {100 * same:.1f}%")
+    if {"continuous-fifo", "continuous-affinity"} <= set(names):
+        aff = [r for r in rows if r["config"] == "continuous-affinity"]
+        fifo = [r for r in rows if r["config"] == "continuous-fifo"]
+        ratios = [a["decode_tok_s"] / f["decode_tok_s"] for a, f in zip(aff, fifo)]
+        trials = ", ".join(f"{x:.3f}" for x in ratios)
+        print(f"affinity / fifo decode tok/s: x{statistics.median(ratios):.3f} (trials {trials})")
     if out:
         out.write_text(json.dumps({"rows": rows, "steps": steps}, default=str))
 
