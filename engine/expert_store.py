@@ -210,7 +210,9 @@ class PooledStore(ExpertStore):
         demand = parallel_demand and workers > 1
         if self.native:
             # Between two MoE layers' plans a decode step computes ~0.1-2 ms here; a worker that
-            # sleeps in between costs a wake-up (tens of microseconds on a VM) at every plan.
+            # sleeps in between costs a wake-up (~50 us here) at every plan, as much as a host copy.
+            # (Disk readers sleeping instead: lookahead 0.92x / 1.19x of off at batch 1 / 16 against
+            # 1.07x / 1.33x spinning, bench_prefetch on the bundled model.)
             spin = int(runtime.extra.get("loader_spin_us", 2000))
             self.executor = tier.native_loader(workers, spin)
             self.demand_executor = tier.native_loader(workers, spin) if demand else None
@@ -458,7 +460,10 @@ class PooledStore(ExpertStore):
         pool, stage = self.pools[layer], self.stage_of[layer]
         if stage.layer != layer:
             self._reset_stage(stage, layer)
-        pool.predicted = keep = set(experts)
+        keep = set(experts)
+        if pool.predicted is not None:  # a second guess for the same call (early, then late)
+            keep |= pool.predicted
+        pool.predicted = keep
         slot_of = pool.slot_of
         for e in reversed(experts):  # predicted residents become the most recently used
             if e in slot_of:
@@ -551,6 +556,9 @@ class NoPrefetch:
 
     def before_forward(self, h: torch.Tensor) -> None:
         """The embeddings of a forward pass, before its first layer."""
+
+    def before_layer(self, layer: int, x: torch.Tensor) -> None:
+        """MoE layer `layer`'s input, before it fetches its experts."""
 
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         """The residual stream once MoE layer `layer` has added its output."""
@@ -650,5 +658,9 @@ def make_store_and_prefetcher(ckpt, runtime):
     if runtime.prefetch == "lookahead":
         from moebench.engine.prefetch import LookaheadPrefetcher
 
-        return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 1)))
+        # Slow tiers also guess each layer from the previous layer's MoE input, so that their loads
+        # overlap that layer's MoE too: a disk read (~0.4 ms here) outlasts one attention.
+        early = bool(runtime.extra.get("lookahead_early", runtime.offload_tier == "disk"))
+        return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 1)),
+                                          early=early)
     return store, NoPrefetch()

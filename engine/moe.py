@@ -104,6 +104,7 @@ class MoeBlock:
     def __call__(self, layer: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x, layer)
         self.stats.record(layer, topk_ids)
+        self.prefetcher.before_layer(layer, x)
         w13, w2, slot_ids = self.store.fetch(layer, topk_ids)
         h = residual + self.kernel(x, topk_weights, slot_ids, w13, w2)
         self.prefetcher.after_layer(layer, h)

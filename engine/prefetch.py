@@ -31,13 +31,19 @@ from moebench.engine.expert_store import PooledStore
 class LookaheadPrefetcher:
     name = "lookahead"
 
-    def __init__(self, ckpt, store, extra_per_token: int = 1):
+    def __init__(self, ckpt, store, extra_per_token: int = 1, early: bool = False):
         cfg = ckpt.config
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         self.first = moe[0] if moe else None
         self.next_moe = dict(zip(moe, moe[1:]))  # the last MoE layer has none within the forward
         # router rows scaled by the layer's post-attention norm weight (see the module docstring)
         self.routers = {i: ckpt.layers[i].router * ckpt.layers[i].post_attention_norm for i in moe}
+        # Early guesses (slow tiers): layer L+1's router on layer L's MoE input x = h * w_L / rms(h),
+        # so its rows are scaled by w_{L+1} / w_L (by w_{L+1} alone where w_L has zeros).
+        self.early_routers = {}
+        for a, b in zip(moe, moe[1:]) if early else ():
+            wa = ckpt.layers[a].post_attention_norm
+            self.early_routers[a] = self.routers[b] / wa if bool((wa.abs() > 1e-6).all()) else self.routers[b]
         # A guess one rank deeper than top-k per token raises recall far more than it costs in
         # loads; the first layer, guessed from bare embeddings, gets one rank more.
         self.k = max(1, min(cfg.top_k + extra_per_token, cfg.num_experts))
@@ -56,6 +62,12 @@ class LookaheadPrefetcher:
         if self.active:
             self._plan(self.first, h, self.k_first)
 
+    def before_layer(self, layer: int, x: torch.Tensor) -> None:
+        router = self.early_routers.get(layer)
+        if self.active and router is not None:
+            ids = torch.topk(F.linear(x, router), self.k, dim=-1).indices
+            self.store.prefetch(self.next_moe[layer], list(dict.fromkeys(ids.flatten().tolist())))
+
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)
         if self.active and nxt is not None:
@@ -68,7 +80,8 @@ class LookaheadPrefetcher:
         return {"lookahead": "each MoE layer's router on the residual stream before that layer's attention "
                              "(the first MoE layer's on the embeddings)",
                 "lookahead_plans": self.plans, "lookahead_per_token": self.k,
-                "lookahead_per_token_first_layer": self.k_first}
+                "lookahead_per_token_first_layer": self.k_first,
+                "lookahead_early": bool(self.early_routers)}
 
     def activation_errors(self, store) -> list[str]:
         if not self.active:
