@@ -233,3 +233,25 @@ def test_native_loader_copies_and_upcasts_exactly(tmp_path):
     finally:
         os.close(fd)
         loader.close()
+
+
+def test_early_guess_uses_the_next_router_on_this_layers_moe_input(ckpt):
+    """Slow tiers guess layer L+1 from layer L's MoE input as well (x = h * w_L / rms(h)); a second
+    guess for the same call adds to the first."""
+    store = store_for(ckpt, slots=8)
+    planned = []
+    store.prefetch = lambda layer, experts: planned.append((layer, experts))
+    h = torch.randn(3, ckpt.config.hidden_size)
+    w0, w1 = ckpt.layers[0].post_attention_norm, ckpt.layers[1].post_attention_norm
+    x = torch.nn.functional.rms_norm(h, (h.shape[-1],), w0, 1e-6)
+    LookaheadPrefetcher(ckpt, store).before_layer(0, x)
+    assert planned == []  # fast tiers: the late guess only
+    LookaheadPrefetcher(ckpt, store, early=True).before_layer(0, x)
+    want = torch.topk(torch.nn.functional.rms_norm(h, (h.shape[-1],), w1, 1e-6) @ ckpt.layers[1].router.T,
+                      K + 1, dim=-1).indices
+    assert planned[0][0] == 1 and set(planned[0][1]) == set(want.flatten().tolist())
+    del store.prefetch
+    store.prefetch(1, [8, 9])
+    store.prefetch(1, [9, 10])
+    assert store.pools[1].predicted == {8, 9, 10}
+    store.close()
