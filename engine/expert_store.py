@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from moebench.engine import memory
@@ -94,7 +95,8 @@ class ResidentStore(ExpertStore):
 
     def fetch(self, layer, topk_ids):
         w13, w2 = self.experts[layer]
-        self.counters.add("expert_hits", int(torch.unique(topk_ids).numel()))
+        ids = topk_ids.numpy() if topk_ids.device.type == "cpu" else topk_ids.cpu().numpy()
+        self.counters.add("expert_hits", len(set(ids.ravel().tolist())))
         return w13, w2, topk_ids
 
     def take_step(self):
@@ -121,9 +123,10 @@ class _Pool:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident or loading; least recent first
         self.free = list(range(slots - 1, -1, -1))
         self.loading: dict[int, Future] = {}
-        # expert -> slot (-1: not held), a list because per-element writes to a tensor cost
-        # microseconds each; it becomes a tensor once per call to remap ids
-        self.table = [-1] * num_experts
+        # expert -> slot (-1: not held). numpy, not torch: each torch call costs ~10 us inside a
+        # decode step (its code is cold after the layer's kernel), a numpy write or gather ~0.1 us
+        self.table = np.full(num_experts, -1, dtype=np.int64)
+        self.views = None  # (w13, w2) from slot 0: to the pool's end, and to its stage's end
         self.prefetched: set[int] = set()  # loaded by prefetch for the next call, not yet used
         self.predicted: set[int] | None = None  # what the prefetcher predicted for the next call
 
@@ -193,6 +196,10 @@ class PooledStore(ExpertStore):
             lo = len(moe) * slots + k * stage_rows
             self.stages.append(_Stage(self.w13[lo : lo + stage_rows], self.w2[lo : lo + stage_rows], lo))
         self.stage_of = {i: self.stages[p % stages] for p, i in enumerate(moe)}
+        for i, pool in self.pools.items():  # the views a call hands the kernel, made once
+            lo, stage = pool.first_row, self.stage_of[i]
+            hi = stage.first_row + stage.w13.shape[0]
+            pool.views = ((self.w13[lo : lo + slots], self.w2[lo : lo + slots]), (self.w13[lo:hi], self.w2[lo:hi]))
         self.staging_bytes = stages * stage_rows * self.expert_pool_bytes
         self.workers = workers
         # Loads run on native threads that never take the GIL where the tier can describe them
@@ -364,7 +371,8 @@ class PooledStore(ExpertStore):
 
     def fetch(self, layer, topk_ids):
         pool, stage = self.pools[layer], self.stage_of[layer]
-        needed = torch.unique(topk_ids).tolist()
+        ids = topk_ids.cpu().numpy() if self.cuda else topk_ids.numpy()
+        needed = sorted(set(ids.ravel().tolist()))
         need = set(needed)
         c = self.counters
         c.add("lookups", len(needed))
@@ -391,7 +399,7 @@ class PooledStore(ExpertStore):
         if misses:
             stall += self._load_misses(layer, pool, stage, misses, need)
         c.add("stall_s", stall)
-        out = self._weights(pool, stage, topk_ids)
+        out = self._weights(pool, stage, ids, topk_ids.device)
         stage.layer = None  # consumed: what this call staged is not kept for a later one
         return out
 
@@ -417,20 +425,18 @@ class PooledStore(ExpertStore):
                 self.tier.load(layer, e, self.w13[row], self.w2[row])
         return time.perf_counter() - t0
 
-    def _weights(self, pool: _Pool, stage: _Stage, topk_ids):
+    def _weights(self, pool: _Pool, stage: _Stage, ids, device):
         """The buffer view from the pool's first slot (to the stage's last row if the call uses it)
-        and topk_ids rewritten to rows of that view."""
+        and the call's expert ids (numpy) rewritten to rows of that view."""
         table = pool.table
-        end = pool.first_row + self.slots
         if stage.row_of:
-            table = list(table)
+            table = table.copy()
             offset = stage.first_row - pool.first_row
             for e, row in stage.row_of.items():
                 table[e] = offset + row
-            end = stage.first_row + stage.w13.shape[0]
-        table = torch.tensor(table, dtype=torch.long)
-        ids = table[topk_ids.cpu()].to(topk_ids.device) if self.cuda else table[topk_ids]
-        return self.w13[pool.first_row : end], self.w2[pool.first_row : end], ids
+        w13, w2 = pool.views[1 if stage.row_of else 0]
+        rows = torch.from_numpy(table[ids])
+        return w13, w2, rows.to(device) if self.cuda else rows
 
     def _drop_unneeded_loads(self, pool: _Pool, stage: _Stage, need: set[int]) -> None:
         """Prefetches for this call that turned out wrong and have not started yet cost nothing:

@@ -28,6 +28,11 @@ import torch.nn.functional as F
 from moebench.engine.expert_store import PooledStore
 
 
+def _host(ids: torch.Tensor):
+    """Expert ids as a numpy array (Python-side work on a few ids: numpy costs far less per call)."""
+    return ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+
+
 class LookaheadPrefetcher:
     name = "lookahead"
 
@@ -49,13 +54,30 @@ class LookaheadPrefetcher:
         self.k = max(1, min(cfg.top_k + extra_per_token, cfg.num_experts))
         self.k_first = min(self.k + 1, cfg.num_experts)
         self.store = store
+        # One native call per guess where the extension is built (see `guess_experts`), routers
+        # transposed for it; torch ops otherwise.
+        self._guess = None
+        if all(r.device.type == "cpu" and r.dtype == torch.float32 for r in self.routers.values()):
+            from moebench.kernels.expert_loader import load_extension
+
+            ext = load_extension()
+            if ext is not None:
+                self._guess = ext.guess_experts
+                self.routers = {i: r.t().contiguous() for i, r in self.routers.items()}
+                self.early_routers = {i: r.t().contiguous() for i, r in self.early_routers.items()}
         # With every expert resident there is nothing to load: the prefetcher stays idle.
         self.active = isinstance(store, PooledStore) and bool(moe)
         self.plans = 0
 
+    def _experts(self, h: torch.Tensor, router: torch.Tensor, k: int) -> list[int]:
+        """Distinct top-k experts of h @ router over h's tokens, in token order."""
+        if self._guess is not None:  # router transposed
+            return self._guess(h if h.dtype == torch.float32 else h.float(), router, k)
+        ids = _host(torch.topk(F.linear(h, router), k, dim=-1).indices)
+        return list(dict.fromkeys(ids.ravel().tolist()))
+
     def _plan(self, layer: int, h: torch.Tensor, k: int) -> None:
-        ids = torch.topk(F.linear(h, self.routers[layer]), k, dim=-1).indices
-        self.store.prefetch(layer, list(dict.fromkeys(ids.flatten().tolist())))  # distinct, surest first
+        self.store.prefetch(layer, self._experts(h, self.routers[layer], k))
         self.plans += 1
 
     def before_forward(self, h: torch.Tensor) -> None:
@@ -65,8 +87,7 @@ class LookaheadPrefetcher:
     def before_layer(self, layer: int, x: torch.Tensor) -> None:
         router = self.early_routers.get(layer)
         if self.active and router is not None:
-            ids = torch.topk(F.linear(x, router), self.k, dim=-1).indices
-            self.store.prefetch(self.next_moe[layer], list(dict.fromkeys(ids.flatten().tolist())))
+            self.store.prefetch(self.next_moe[layer], self._experts(x, router, self.k))
 
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)
