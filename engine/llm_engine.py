@@ -81,6 +81,7 @@ class Engine:
         self.runtime = runtime
         self.eos_ids = set(self.cfg.eos_token_ids)
         self._read_sizes = None  # see _bytes_read
+        self._stop_tokens: dict = {}  # (stop strings, token id) -> can it end one (see _may_end_in_stop)
         if tokenizer is not None and not self.eos_ids:
             for name in ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>"):
                 tid = tokenizer.token_to_id(name)
@@ -234,15 +235,31 @@ class Engine:
             s.output_ids.pop()
             s.text = self.decode(s.output_ids) if self.tokenizer else ""
             return "stop"
-        if self.tokenizer is not None and s.request.stop:
+        if self.tokenizer is not None and s.request.stop and self._may_end_in_stop(s):
             text = self.decode(s.output_ids)
             cut = min((i for i in (text.find(stop) for stop in s.request.stop) if i >= 0), default=-1)
             if cut >= 0:
                 s.text = text[:cut]
                 return "stop"
-            s.text = text
         if len(s.output_ids) >= s.max_new_tokens:
-            if self.tokenizer is not None and not s.request.stop:
+            if self.tokenizer is not None:
                 s.text = self.decode(s.output_ids)
             return "length"
         return None
+
+    def _may_end_in_stop(self, s: Sequence) -> bool:
+        """Whether the newest token can have completed a stop string. Earlier steps found none, so
+        one would have to end in it: where every stop string ends in an ASCII character, the token's
+        own text must hold one of those characters (a printable ASCII byte is never part of a multi-byte
+        character, so decoding the token alone shows it); that answer is cached per token id, and
+        the whole output is decoded only when it is yes. Otherwise, always."""
+        stops = tuple(s.request.stop)
+        last = {stop[-1] for stop in stops}
+        if not all(ch.isascii() and not ch.isspace() for ch in last):  # (a lone token may lose its spaces)
+            return True
+        key = (stops, s.output_ids[-1])
+        hit = self._stop_tokens.get(key)
+        if hit is None:
+            text = self.decode([s.output_ids[-1]])
+            hit = self._stop_tokens[key] = any(ch in text for ch in last)
+        return hit
