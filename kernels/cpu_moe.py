@@ -18,13 +18,10 @@ torch (skip the extension).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 import sys
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .align import sort_by_expert
+from .build import LazyExtension, extension_name, find_ninja
 
 __all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "load_extension"]
 
@@ -44,56 +42,10 @@ CSRC_ATTENTION = CSRC.with_name("attention_cpu.cpp")  # paged decode attention, 
 # on which of a token's experts is added first, i.e. on the slots the expert store happened to pick,
 # and offloaded runs would no longer match resident ones bit for bit.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
-
-
-def extension_name(base: str, sources: list[Path], flags: list[str]) -> str:
-    """`base` plus a digest of the sources and flags. torch caches a build by name; two checkouts
-    (or an old and a new version) building one name in turn load each other's library, or rebuild
-    it under each other's feet."""
-    digest = hashlib.sha256("\0".join(flags).encode())
-    for source in sources:
-        digest.update(source.read_bytes())
-    return f"{base}_{digest.hexdigest()[:12]}"
-
-
 EXTENSION_NAME = extension_name("moebench_moe_cpu", [CSRC, CSRC_ATTENTION], CFLAGS)
 
 BACKEND_CPP = "cpp-avx2-openmp"
 BACKEND_TORCH = "torch-grouped"
-
-_lock = threading.Lock()
-_ext = None
-_tried = False
-_failure: str | None = None
-
-
-def _mode() -> str:
-    mode = os.environ.get("MOEBENCH_CPU_KERNEL", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "cpp", "torch"):
-        raise ValueError(f"MOEBENCH_CPU_KERNEL={mode!r}: expected auto, cpp or torch")
-    return mode
-
-
-def find_ninja() -> str | None:
-    """The ninja binary torch's extension builder will run; a pip-installed ninja lives next to
-    the interpreter (or in the `ninja` package), which may not be on PATH when the virtual
-    environment is not activated: that directory is then added to PATH."""
-    found = shutil.which("ninja")
-    if found:
-        return found
-    candidates = [os.path.dirname(sys.executable)]
-    try:
-        import ninja  # the PyPI package
-
-        candidates.insert(0, ninja.BIN_DIR)
-    except (ImportError, AttributeError):
-        pass
-    for directory in candidates:
-        path = os.path.join(directory, "ninja")
-        if os.access(path, os.X_OK):
-            os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
-            return path
-    return None
 
 
 def _build():
@@ -121,33 +73,13 @@ def _build():
         note.cancel()
 
 
+_extension = LazyExtension("the CPU MoE kernel", "MOEBENCH_CPU_KERNEL", strict="cpp", off="torch",
+                           build=lambda: _build(), fallback="using the grouped torch fallback (same algorithm, slower)")
+
+
 def load_extension():
     """The compiled extension module, building it on first call; None if unavailable."""
-    global _ext, _tried, _failure
-    if _tried:
-        return _ext
-    with _lock:
-        if _tried:
-            return _ext
-        mode = _mode()
-        if mode == "torch":
-            _failure = "disabled by MOEBENCH_CPU_KERNEL=torch"
-        else:
-            try:
-                _ext = _build()
-            except Exception as e:  # no compiler, no ninja, no AVX2, read-only cache...
-                _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                if mode == "cpp":
-                    _tried = True
-                    raise RuntimeError(f"moebench: cannot build the CPU MoE kernel: {_failure}") from e
-                warnings.warn(
-                    f"moebench: CPU MoE kernel unavailable ({_failure}); using the grouped torch fallback "
-                    "(same algorithm, slower)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        _tried = True
-        return _ext
+    return _extension.get()
 
 
 def cpu_backend() -> str:

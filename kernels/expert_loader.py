@@ -23,14 +23,11 @@ python (the thread-pool fallback in `moebench.engine.expert_store`).
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from .cpu_moe import extension_name, find_ninja
+from .build import LazyExtension, extension_name, find_ninja
 
 COPY, BF16_TO_F32, F16_TO_F32 = 0, 1, 2
 _KINDS = {(torch.bfloat16, torch.float32): BF16_TO_F32, (torch.float16, torch.float32): F16_TO_F32}
@@ -39,46 +36,24 @@ CSRC = Path(__file__).resolve().parent / "csrc" / "expert_loader.cpp"
 CFLAGS = ["-O3"]
 EXTENSION_NAME = extension_name("moebench_expert_loader", [CSRC], CFLAGS)
 
-_lock = threading.Lock()
-_ext = None
-_tried = False
-failure: str | None = None
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    if find_ninja() is None:
+        raise RuntimeError("ninja not found (pip install ninja)")
+    return load(name=EXTENSION_NAME, sources=[str(CSRC)], extra_cflags=CFLAGS, verbose=False)
 
 
-def _mode() -> str:
-    mode = os.environ.get("MOEBENCH_EXPERT_LOADER", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "native", "python"):
-        raise ValueError(f"MOEBENCH_EXPERT_LOADER={mode!r}: expected auto, native or python")
-    return mode
+_extension = LazyExtension("the native expert loader", "MOEBENCH_EXPERT_LOADER", strict="native", off="python",
+                           build=lambda: _build(),
+                           fallback="loads run on Python threads (same results, more GIL contention)")
 
 
 def load_extension():
-    """The compiled module (Loader, Ticket, LoadError), building it on first call; None if unavailable."""
-    global _ext, _tried, failure
-    if _tried:
-        return _ext
-    with _lock:
-        if _tried:
-            return _ext
-        mode = _mode()
-        if mode == "python":
-            failure = "disabled by MOEBENCH_EXPERT_LOADER=python"
-        else:
-            try:
-                from torch.utils.cpp_extension import load
-
-                if find_ninja() is None:
-                    raise RuntimeError("ninja not found (pip install ninja)")
-                _ext = load(name=EXTENSION_NAME, sources=[str(CSRC)], extra_cflags=CFLAGS, verbose=False)
-            except Exception as e:  # no compiler, no ninja, read-only cache...
-                failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                if mode == "native":
-                    _tried = True
-                    raise RuntimeError(f"moebench: cannot build the native expert loader: {failure}") from e
-                warnings.warn(f"moebench: native expert loader unavailable ({failure}); loads run on Python "
-                              "threads (same results, more GIL contention)", RuntimeWarning, stacklevel=3)
-        _tried = True
-        return _ext
+    """The compiled module (Loader, Ticket, LoadError, guess_experts), building it on first call;
+    None if unavailable."""
+    return _extension.get()
 
 
 def conversion(src: torch.dtype, dst: torch.dtype) -> int | None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moebench.kernels import cpu_backend, fused_moe, fused_moe_cpu, moe_reference, route_softmax_topk
-from moebench.kernels.cpu_moe import BACKEND_CPP, find_ninja, fused_moe_cpu_torch, load_extension
+from moebench.kernels.build import find_ninja
+from moebench.kernels.cpu_moe import BACKEND_CPP, fused_moe_cpu_torch, load_extension
 
 TOKENS = [1, 3, 17, 64]
 EXPERTS = [7, 16, 60]
@@ -143,10 +144,10 @@ def test_thread_count_does_not_change_results():
 
 
 def _reset_loader(monkeypatch, cm, build):
-    monkeypatch.setattr(cm, "_tried", False)
-    monkeypatch.setattr(cm, "_ext", None)
-    monkeypatch.setattr(cm, "_failure", None)
+    """As if nothing had been built yet, with `build` as the builder; restored after the test."""
     monkeypatch.setattr(cm, "_build", build)
+    for attr, value in (("module", None), ("tried", False), ("failure", None)):
+        monkeypatch.setattr(cm._extension, attr, value)
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch):
