@@ -204,8 +204,9 @@ class PooledStore(ExpertStore):
         self.workers = workers
         # Loads run on native threads that never take the GIL where the tier can describe them
         # (`moebench.kernels.expert_loader`), else on Python threads.
-        native = not self.cuda and tier.prepare_native(dtype)
-        self.native = bool(workers) and native
+        # native_rows: the tier can describe loads into this buffer's rows; native: workers do them
+        self.native_rows = not self.cuda and tier.prepare_native(dtype)
+        self.native = bool(workers) and self.native_rows
         self.row_bytes = (self.w13[0].nbytes, self.w2[0].nbytes)
         self._load_error = _NeverRaised
         if self.native:
@@ -253,10 +254,7 @@ class PooledStore(ExpertStore):
         hand-over of the GIL to a freshly woken thread costs a scheduler slice); a load whose future
         was cancelled before its turn is skipped."""
         if self.native:
-            base13, base2 = self.w13.data_ptr(), self.w2.data_ptr()
-            n13, n2 = self.row_bytes
-            describe = self.tier.describe
-            return executor.submit([describe(layer, e, base13 + row * n13, base2 + row * n2) for e, row in loads])
+            return executor.submit(self._describe(layer, loads))
         loads = [(e, self.w13[row], self.w2[row]) for e, row in loads]
         after = None
         if self.side_stream is not None:
@@ -299,8 +297,10 @@ class PooledStore(ExpertStore):
         """Wait for a load if there is one; -> seconds waited (stall)."""
         if fut is None:
             return 0.0
-        if not fut.done():
-            self.counters.add("late_hits", 1)
+        if fut.done():
+            self._finish(fut)  # (re-raises a failed load)
+            return 0.0
+        self.counters.add("late_hits", 1)
         t0 = time.perf_counter()
         self._finish(fut)
         return time.perf_counter() - t0
@@ -355,6 +355,10 @@ class PooledStore(ExpertStore):
     def _reset_stage(self, stage: _Stage, layer: int | None) -> None:
         """Give the stage to `layer`'s next call. Loads still in flight into it (prefetches another
         call did not need) are cancelled or waited out: their rows are about to be rewritten."""
+        if not stage.row_of and not stage.loading:  # nothing placed in it since the last reset
+            stage.layer = layer
+            stage.prefetched.clear()
+            return
         t0 = time.perf_counter()
         for fut in stage.loading.values():
             if not self._cancel(fut):
@@ -386,16 +390,18 @@ class PooledStore(ExpertStore):
         pool.prefetched.clear()
         stall = 0.0
         misses = []
+        slot_of, row_of = pool.slot_of, stage.row_of
         for e in needed:
-            if e in pool.slot_of:
-                c.add("expert_hits", 1)
-                pool.slot_of.move_to_end(e)
-                stall += self._wait(pool.loading.pop(e, None))
-            elif e in stage.row_of:
-                c.add("expert_hits", 1)
-                stall += self._wait(stage.loading.pop(e, None))
+            if e in slot_of:
+                slot_of.move_to_end(e)
+                if pool.loading:
+                    stall += self._wait(pool.loading.pop(e, None))
+            elif e in row_of:
+                if stage.loading:
+                    stall += self._wait(stage.loading.pop(e, None))
             else:
                 misses.append(e)
+        c.add("expert_hits", len(needed) - len(misses))
         if misses:
             stall += self._load_misses(layer, pool, stage, misses, need)
         c.add("stall_s", stall)
@@ -420,10 +426,19 @@ class PooledStore(ExpertStore):
         if self.demand_executor is not None and len(loads) > 1:
             for f in self._submit(layer, loads, self.demand_executor):
                 self._finish(f)
-        else:  # the baseline: one at a time, on the critical path (the compute stream on CUDA)
+        elif self.native_rows:  # the baseline: one at a time, in this thread
+            self.tier.run_native(self._describe(layer, loads))
+        else:  # the same through the tier's Python path (the compute stream on CUDA)
             for e, row in loads:
                 self.tier.load(layer, e, self.w13[row], self.w2[row])
         return time.perf_counter() - t0
+
+    def _describe(self, layer: int, loads: list[tuple[int, int]]) -> list[tuple]:
+        """Native descriptions of (expert, buffer row) loads."""
+        base13, base2 = self.w13.data_ptr(), self.w2.data_ptr()
+        n13, n2 = self.row_bytes
+        describe = self.tier.describe
+        return [describe(layer, e, base13 + row * n13, base2 + row * n2) for e, row in loads]
 
     def _weights(self, pool: _Pool, stage: _Stage, ids, device):
         """The buffer view from the pool's first slot (to the stage's last row if the call uses it)

@@ -107,8 +107,13 @@ class CountingTier(HostTier):
         super().__init__(ckpt, "cpu")
         self.loads = []
 
-    def load(self, layer, expert, w13_dst, w2_dst):
+    def describe(self, layer, expert, w13_addr, w2_addr):  # native loads (the default on CPU)
         self.loads.append((layer, expert))
+        return super().describe(layer, expert, w13_addr, w2_addr)
+
+    def load(self, layer, expert, w13_dst, w2_dst):
+        if self.sync is None:  # Python loads; a native one is counted where it is described
+            self.loads.append((layer, expert))
         return super().load(layer, expert, w13_dst, w2_dst)
 
 
