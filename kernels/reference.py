@@ -86,18 +86,20 @@ def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
     x [N, H]; topk_weights, topk_ids [N, k]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I].
     `E` is whatever the weight tensors hold (a pool of resident slots is fine); ids index it.
     For each expert that received tokens: gather them, h = silu(x @ gate.T) * (x @ up.T),
-    y = h @ w2.T, scale by the routing weight and add into the output, in x.dtype.
+    y = h @ w2.T, scaled by the routing weight; each token's k results are then added in rank
+    order, in x.dtype. (Not in expert order: ids may name pool slots, and a sum in slot order would
+    round differently from one pool layout to the next when k > 2.)
     """
     n, k = topk_ids.shape
     inter = w13.shape[1] // 2
-    out = torch.zeros_like(x)
     if n == 0:
-        return out
+        return torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync
     token_of = order // k
     weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
+    pairs = x.new_empty(n * k, x.shape[1])  # row t * k + rank: that pair's weighted output
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -106,7 +108,10 @@ def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
         xs = x[tokens]
         w = w13[expert]
         h = F.silu(xs @ w[:inter].T) * (xs @ w[inter:].T)
-        y = (h @ w2[expert].T) * weight_of[start : start + count, None]
-        out.index_add_(0, tokens, y)
+        pairs[order[start : start + count]] = (h @ w2[expert].T) * weight_of[start : start + count, None]
         start += count
+    pairs = pairs.view(n, k, -1)
+    out = pairs[:, 0].clone()
+    for rank in range(1, k):
+        out += pairs[:, rank]
     return out

@@ -184,18 +184,21 @@ def test_backend_environment_switch(monkeypatch):
     assert cm.cpu_backend() == cm.BACKEND_TORCH  # no build attempted, no warning
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slot_order_does_not_change_bits_at_top2(dtype):
-    """An offloaded run puts experts in whatever slots the store picked; a token's two contributions
-    must add to the same bits in either order (no fused multiply-add contraction of `out += w * y`)."""
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("kernel,dtype", [("fused", torch.float32), ("fused", torch.bfloat16),
+                                          ("torch", torch.float32), ("naive", torch.float32)])
+def test_slot_order_does_not_change_bits(kernel, dtype, k):
+    """An offloaded run puts experts in whatever slots the store picked; a token's contributions
+    must add to the same bits whatever the slots: in rank order, with no fused multiply-add
+    contraction of the products."""
     g = torch.Generator().manual_seed(0)
     E, H, I, N = 16, 64, 48, 12
     w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(dtype)
     w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(dtype)
     x = torch.randn(N, H, generator=g)
-    weights, ids = torch.topk(torch.randn(N, E, generator=g).softmax(-1), 2)
+    weights, ids = torch.topk(torch.randn(N, E, generator=g).softmax(-1), k)
     perm = torch.randperm(E, generator=g)  # slot s holds expert perm[s]
     slot_of = torch.empty(E, dtype=torch.long)
     slot_of[perm] = torch.arange(E)
-    assert torch.equal(fused_moe_cpu(x, weights, ids, w13, w2),
-                       fused_moe_cpu(x, weights, slot_of[ids], w13[perm], w2[perm]))
+    moe = {"fused": fused_moe_cpu, "torch": fused_moe_cpu_torch, "naive": moe_reference}[kernel]
+    assert torch.equal(moe(x, weights, ids, w13, w2), moe(x, weights, slot_of[ids], w13[perm], w2[perm]))

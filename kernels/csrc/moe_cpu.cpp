@@ -153,11 +153,12 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   }
   for (int64_t e = 0; e < E; ++e) offs[e + 1] += offs[e];
   std::vector<int64_t> fill(offs.begin(), offs.end() - 1);
-  std::vector<int64_t> tok(P);
+  std::vector<int64_t> tok(P), pair(P);
   std::vector<float> wgt(P);
   for (int64_t p = 0; p < P; ++p) {
     const int64_t q = fill[topk_ids[p]]++;
     tok[q] = p / K_top;
+    pair[q] = p;
     wgt[q] = topk_w[p];
   }
   std::vector<int64_t> active;  // experts that received tokens, ascending
@@ -167,6 +168,11 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
 
   // Per-pair pointers: the token's activation row, and its intermediate row.
   std::unique_ptr<float[]> hbuf(new float[static_cast<size_t>(P) * I]);  // no zero-fill: fully written
+  // Each (token, rank) pair's weighted output, summed per token in rank order at the end: the sum
+  // then does not depend on which slots the expert store gave the experts (with three or more
+  // experts per token, adding them in slot order would round differently from one pool layout to
+  // the next, and offloaded runs would drift from resident ones).
+  std::unique_ptr<float[]> obuf(new float[static_cast<size_t>(P) * H]);  // fully written below
   std::vector<const float*> xrow(P), hrow(P);
   for (int64_t q = 0; q < P; ++q) {
     xrow[q] = x + tok[q] * ldx;
@@ -219,13 +225,13 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < nb_dn; ++b) {
       const int64_t r0 = b * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
-      for (int64_t t = 0; t < N; ++t) std::memset(out + t * H + r0, 0, sizeof(float) * (r1 - r0));
+      float* ob = obuf.get();
       for (int64_t a = 0; a < A; ++a) {
         const int64_t e = active[a];
         const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
         const W* we = w2 + e * s2e;
         const float* const* hs = hrow.data() + q0;
-        const int64_t* tk = tok.data() + q0;
+        const int64_t* pr = pair.data() + q0;
         const float* wq = wgt.data() + q0;
         int64_t r = r0;
         for (; r + 8 <= r1; r += 8) {
@@ -233,9 +239,9 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
           for (int g = 0; g < 8; ++g) rows[g] = we + (r + g) * s2r;
           rows8_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
             for (int t = 0; t < tt; ++t) {
-              float* dst = out + tk[t0 + t] * H + r;
+              float* dst = ob + pr[t0 + t] * H + r;
               const float sw = wq[t0 + t];
-              for (int g = 0; g < 8; ++g) dst[g] += sw * o[g * tt + t];
+              for (int g = 0; g < 8; ++g) dst[g] = sw * o[g * tt + t];
             }
           });
         }
@@ -243,10 +249,10 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
           const W* rows[2] = {we + r * s2r, we + (r + 1) * s2r};
           rows2_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
             for (int t = 0; t < tt; ++t) {
-              float* dst = out + tk[t0 + t] * H + r;
+              float* dst = ob + pr[t0 + t] * H + r;
               const float sw = wq[t0 + t];
-              dst[0] += sw * o[t];
-              dst[1] += sw * o[tt + t];
+              dst[0] = sw * o[t];
+              dst[1] = sw * o[tt + t];
             }
           });
         }
@@ -255,9 +261,17 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
           for (int64_t t = 0; t < n; ++t) {
             float o;
             dot_tile<1, 1>(&row, hs + t, I, &o);
-            out[tk[t] * H + r] += wq[t] * o;
+            ob[pr[t] * H + r] = wq[t] * o;
           }
         }
+      }
+      // top-k sum of this block's rows, each token's experts in rank order
+      for (int64_t t = 0; t < N; ++t) {
+        const float* src = ob + t * K_top * H;
+        float* dst = out + t * H;
+        for (int64_t r = r0; r < r1; ++r) dst[r] = src[r];
+        for (int64_t j = 1; j < K_top; ++j)
+          for (int64_t r = r0; r < r1; ++r) dst[r] += src[j * H + r];
       }
     }
   }
