@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -232,7 +233,10 @@ class Loader {
   explicit Loader(int threads, int64_t spin_us) : queue_(std::make_shared<Queue>()) {
     if (threads < 0) throw std::invalid_argument("threads must be >= 0 (0: a loader for run() only)");
     queue_->spin = std::chrono::microseconds(spin_us);
-    for (int i = 0; i < threads; ++i) workers_.emplace_back(work, queue_);
+    for (int i = 0; i < threads; ++i) {
+      workers_.emplace_back(work, queue_);
+      pthread_setname_np(workers_.back().native_handle(), "moebench-load");  // seen in /proc, top, gdb
+    }
   }
   ~Loader() {
     try {
