@@ -253,13 +253,14 @@ class Engine:
         own text must hold one of those characters (a printable ASCII byte is never part of a multi-byte
         character, so decoding the token alone shows it); that answer is cached per token id, and
         the whole output is decoded only when it is yes. Otherwise, always."""
-        stops = tuple(s.request.stop)
-        last = {stop[-1] for stop in stops}
-        if not all(ch.isascii() and not ch.isspace() for ch in last):  # (a lone token may lose its spaces)
-            return True
-        key = (stops, s.output_ids[-1])
+        key = (tuple(s.request.stop), s.output_ids[-1])
         hit = self._stop_tokens.get(key)
-        if hit is None:
-            text = self.decode([s.output_ids[-1]])
-            hit = self._stop_tokens[key] = any(ch in text for ch in last)
+        if hit is None:  # worked out once per (stop strings, token)
+            last = {stop[-1] for stop in key[0]}
+            if all(ch.isascii() and not ch.isspace() for ch in last):  # (a lone token may lose its spaces)
+                text = self.decode([key[1]])
+                hit = any(ch in text for ch in last)
+            else:
+                hit = True
+            self._stop_tokens[key] = hit
         return hit

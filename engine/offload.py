@@ -94,11 +94,6 @@ def _native_available(dst_dtype: torch.dtype, src_dtype: torch.dtype, device: st
     return device == "cpu" and conversion(src_dtype, dst_dtype) is not None and load_extension() is not None
 
 
-def _native_slot(w13_dst: torch.Tensor, w2_dst: torch.Tensor, dtype: torch.dtype) -> bool:
-    return (w13_dst.dtype == w2_dst.dtype == dtype and w13_dst.device.type == "cpu"
-            and w13_dst.is_contiguous() and w2_dst.is_contiguous())
-
-
 def _moe_layers(ckpt) -> list[int]:
     return [i for i in range(ckpt.config.num_layers) if ckpt.config.is_moe_layer(i)]
 
@@ -164,7 +159,7 @@ class HostTier(ExpertTier):
         # per layer: (w13 base address, bytes per expert, w2 base address, bytes per expert)
         self._sources = {i: (w13.data_ptr(), w13[0].nbytes, w2.data_ptr(), w2[0].nbytes)
                          for i, (w13, w2) in self.experts.items()}
-        self._kind, self._dst_dtype = kind, dst_dtype
+        self._kind = kind
         self.sync = self.native_loader(0)
         return True
 
@@ -174,10 +169,6 @@ class HostTier(ExpertTier):
         return (-1, 0, 0, 0, False, "host", [(a13 + expert * n13, w13_addr, n13, k), (a2 + expert * n2, w2_addr, n2, k)])
 
     def load(self, layer, expert, w13_dst, w2_dst):
-        if self.sync is not None and _native_slot(w13_dst, w2_dst, self._dst_dtype):
-            # what the worker threads do, in the model's thread (the baseline's demand loads)
-            self.run_native([self.describe(layer, expert, w13_dst.data_ptr(), w2_dst.data_ptr())])
-            return self.expert_bytes
         w13, w2 = self.experts[layer]
         # non_blocking only matters on CUDA (pinned source -> async DMA on the caller's stream).
         w13_dst.copy_(w13[expert], non_blocking=self.cuda)
@@ -279,17 +270,12 @@ class DiskTier(ExpertTier):
         up_offset = inter * hidden * torch.empty(0, dtype=dst_dtype).element_size()
         self._described = {}
         for key, (ext,) in self.extents.items():
-            if self.mode == "o_direct":
-                start = ext.start // _ALIGN * _ALIGN
-                length = -(-(ext.end - start) // _ALIGN) * _ALIGN
-            else:
-                start, length = ext.start, ext.end - ext.start
+            start, length = self._read_range(ext)
             # (offset in what was read, 0: into w13 / 1: into w2, byte offset there, bytes, kind)
             parts = [(off - start, 1 if which == 2 else 0, up_offset if which == 1 else 0, nbytes,
                       conversion(dtype, dst_dtype)) for off, nbytes, dtype, _, which in ext.parts]
             self._described[key] = (self.fds[ext.file], start, length, ext.end - start, self.mode == "fadvise",
                                     ext.file, parts)
-        self._dst_dtype = dst_dtype
         self.sync = self.native_loader(0)
         return True
 
@@ -327,14 +313,18 @@ class DiskTier(ExpertTier):
             self._local.buf = buf
         return buf
 
+    def _read_range(self, ext: _Extent) -> tuple[int, int]:
+        """(offset, length) to read for one extent: rounded out to the block size for O_DIRECT."""
+        if self.mode == "o_direct":
+            start = ext.start // _ALIGN * _ALIGN
+            return start, -(-(ext.end - start) // _ALIGN) * _ALIGN
+        return ext.start, ext.end - ext.start
+
     def _read(self, ext: _Extent) -> tuple[mmap.mmap, int]:
         """Read one extent; returns (buffer, offset of ext.start in it)."""
         fd = self.fds[ext.file]
-        if self.mode == "o_direct":
-            start = ext.start // _ALIGN * _ALIGN
-            length = -(-(ext.end - start) // _ALIGN) * _ALIGN
-        else:
-            start, length = ext.start, ext.end - ext.start
+        start, length = self._read_range(ext)
+        if self.mode == "fadvise":
             # Drop any cached copy first, so this read comes from the device, not from memory.
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
         buf = self._buffer(length)
@@ -351,9 +341,6 @@ class DiskTier(ExpertTier):
         return buf, ext.start - start
 
     def load(self, layer, expert, w13_dst, w2_dst):
-        if self.sync is not None and _native_slot(w13_dst, w2_dst, self._dst_dtype):
-            self.run_native([self.describe(layer, expert, w13_dst.data_ptr(), w2_dst.data_ptr())])
-            return self.expert_bytes
         inter = self.cfg.moe_intermediate_size
         dsts = (w13_dst[:inter], w13_dst[inter:], w2_dst)  # gate, up, down
         for ext in self.extents[(layer, expert)]:

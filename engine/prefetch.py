@@ -25,12 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moebench.engine.expert_store import PooledStore
-
-
-def _host(ids: torch.Tensor):
-    """Expert ids as a numpy array (Python-side work on a few ids: numpy costs far less per call)."""
-    return ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+from moebench.engine.expert_store import PooledStore, host_ids
 
 
 class LookaheadPrefetcher:
@@ -73,26 +68,26 @@ class LookaheadPrefetcher:
         """Distinct top-k experts of h @ router over h's tokens, in token order."""
         if self._guess is not None:  # router transposed
             return self._guess(h if h.dtype == torch.float32 else h.float(), router, k)
-        ids = _host(torch.topk(F.linear(h, router), k, dim=-1).indices)
+        ids = host_ids(torch.topk(F.linear(h, router), k, dim=-1).indices)
         return list(dict.fromkeys(ids.ravel().tolist()))
 
-    def _plan(self, layer: int, h: torch.Tensor, k: int) -> None:
-        self.store.prefetch(layer, self._experts(h, self.routers[layer], k))
+    def _plan(self, layer: int, h: torch.Tensor, router: torch.Tensor, k: int) -> None:
+        self.store.prefetch(layer, self._experts(h, router, k))
         self.plans += 1
 
     def before_forward(self, h: torch.Tensor) -> None:
         if self.active:
-            self._plan(self.first, h, self.k_first)
+            self._plan(self.first, h, self.routers[self.first], self.k_first)
 
     def before_layer(self, layer: int, x: torch.Tensor) -> None:
         router = self.early_routers.get(layer)
         if self.active and router is not None:
-            self.store.prefetch(self.next_moe[layer], self._experts(x, router, self.k))
+            self._plan(self.next_moe[layer], x, router, self.k)
 
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)
         if self.active and nxt is not None:
-            self._plan(nxt, h, self.k)
+            self._plan(nxt, h, self.routers[nxt], self.k)
 
     def evidence(self) -> dict:
         if not self.active:

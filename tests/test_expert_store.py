@@ -111,9 +111,8 @@ class CountingTier(HostTier):
         self.loads.append((layer, expert))
         return super().describe(layer, expert, w13_addr, w2_addr)
 
-    def load(self, layer, expert, w13_dst, w2_dst):
-        if self.sync is None:  # Python loads; a native one is counted where it is described
-            self.loads.append((layer, expert))
+    def load(self, layer, expert, w13_dst, w2_dst):  # Python loads
+        self.loads.append((layer, expert))
         return super().load(layer, expert, w13_dst, w2_dst)
 
 

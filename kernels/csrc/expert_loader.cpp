@@ -212,7 +212,6 @@ class Ticket {
     return load_->state.compare_exchange_strong(expected, kCancelled) || expected == kCancelled;
   }
   bool done() const { return load_->state.load() >= kDone; }
-  bool cancelled() const { return load_->state.load() == kCancelled; }
   void result() {
     if (!done()) {
       py::gil_scoped_release no_gil;
@@ -308,7 +307,6 @@ class Loader {
     }
   }
 
-  int threads() const { return static_cast<int>(workers_.size()); }
   int64_t reads() const { return queue_->counters.reads.load(); }
   int64_t bytes_read() const { return queue_->counters.bytes_read.load(); }
 
@@ -416,7 +414,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Ticket>(m, "Ticket")
       .def("cancel", &Ticket::cancel, "Cancel the load if it has not started; True if it will never run.")
       .def("done", &Ticket::done, "Whether the load ended (copied, failed or cancelled).")
-      .def("cancelled", &Ticket::cancelled)
       .def("result", &Ticket::result, "Wait for the load (GIL released); raise LoadError if it failed.");
   py::class_<Loader>(m, "Loader")
       .def(py::init<int, int64_t>(), py::arg("threads"), py::arg("spin_us") = 0,
@@ -426,7 +423,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &Loader::run, "Run loads now in the calling thread, GIL released.")
       .def("hold", &Loader::hold)
       .def("close", &Loader::close)
-      .def_property_readonly("threads", &Loader::threads)
       .def_property_readonly("reads", &Loader::reads, "File reads done so far.")
       .def_property_readonly("bytes_read", &Loader::bytes_read, "Bytes those reads returned.");
 }
