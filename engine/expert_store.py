@@ -84,6 +84,27 @@ class _NeverRaised(Exception):
     """Stands for the native loader's error class where no native loader runs."""
 
 
+def loader_cpus(runtime) -> list[int]:
+    """The cores the native loader threads run on: the last ones of this process's set beyond the
+    model's intra-op threads, so a loader never takes the model thread's core (on 2 cores, disk
+    lookahead at batch 1 was ~8% faster so). [] (any core) when the model's threads need every
+    core, or with `runtime.extra["loader_cpus"] = "any"`; a list ("1" or "2,3") picks them."""
+    choice = str(runtime.extra.get("loader_cpus", "auto")).strip()
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if choice == "any":
+        return []
+    if choice != "auto":
+        try:
+            cpus = [int(c) for c in choice.split(",") if c.strip()]
+        except ValueError:
+            raise MoebenchError(f"loader_cpus '{choice}': expected auto, any or a list like 1,2") from None
+        if not cpus or not set(cpus) <= set(mine):
+            raise MoebenchError(f"loader_cpus '{choice}': not among this process's cpus {mine}")
+        return cpus
+    spare = len(mine) - torch.get_num_threads()
+    return mine[-spare:] if spare > 0 else []
+
+
 def _ratio(a, b):
     return a / b if b else None
 
@@ -214,6 +235,7 @@ class PooledStore(ExpertStore):
         self.native = bool(workers) and self.native_rows
         self.row_bytes = (self.w13[0].nbytes, self.w2[0].nbytes)
         self._load_error = _NeverRaised
+        self.loader_cpus: list[int] = []  # any core
         if self.native:
             from moebench.kernels.expert_loader import load_extension
 
@@ -227,8 +249,9 @@ class PooledStore(ExpertStore):
             # (Disk readers sleeping instead: lookahead 0.92x / 1.19x of off at batch 1 / 16 against
             # 1.07x / 1.33x spinning, bench_prefetch on the bundled model.)
             spin = int(runtime.extra.get("loader_spin_us", 2000))
-            self.executor = tier.native_loader(workers, spin)
-            self.demand_executor = tier.native_loader(workers, spin) if demand else None
+            self.loader_cpus = loader_cpus(runtime)
+            self.executor = tier.native_loader(workers, spin, self.loader_cpus)
+            self.demand_executor = tier.native_loader(workers, spin, self.loader_cpus) if demand else None
         else:
             self.executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-prefetch") if workers else None
             self.demand_executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-demand") if demand else None
@@ -542,6 +565,7 @@ class PooledStore(ExpertStore):
             **self.tier.evidence(),
             "load_workers": self.workers,
             "native_loader": self.native,
+            "loader_cpus": self.loader_cpus,
             "lookups": lookups,
             "expert_hits": t["expert_hits"],
             "expert_misses": t["expert_misses"],
@@ -674,8 +698,10 @@ def make_store_and_prefetcher(ckpt, runtime):
     else:
         lookahead = runtime.prefetch == "lookahead"
         disk = runtime.offload_tier == "disk"
-        # O_DIRECT reads here: ~0.4 GB/s with one reader, ~0.7-1 GB/s with 4-16 in parallel
-        readers = int(runtime.extra.get("readers", 8))
+        # O_DIRECT reads here: ~0.4 GB/s with one reader, ~0.7-1 GB/s with 4-16 in parallel; yet on
+        # 2 cores 3 readers beat 8 (bench_prefetch, disk lookahead vs off: 1.31x / 1.46x at batch 1 /
+        # 16, against 1.18x / 1.32x): each reader woken for a load costs the spare core a wake-up.
+        readers = int(runtime.extra.get("readers", 3))
         # Workers exist only to overlap loads with compute, which is what prefetch=lookahead is;
         # the baseline loads on the critical path, one expert at a time.
         workers = (readers if disk else int(runtime.extra.get("host_workers", 1))) if lookahead else 0

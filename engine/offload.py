@@ -66,12 +66,12 @@ class ExpertTier:
         except load_extension().LoadError as e:  # a short or failed read: loud, never a slot of garbage
             raise MoebenchError(str(e)) from None
 
-    def native_loader(self, threads: int, spin_us: int = 0):
-        """A native loader with `threads` workers (0: it only runs loads in the caller's thread) that
-        spin `spin_us` for the next load before they sleep."""
+    def native_loader(self, threads: int, spin_us: int = 0, cpus: list[int] = ()):
+        """A native loader with `threads` workers (0: it only runs loads in the caller's thread), one
+        of which spins `spin_us` for the next load before it sleeps, all on `cpus` (empty: any)."""
         from moebench.kernels.expert_loader import load_extension
 
-        loader = load_extension().Loader(threads, spin_us)
+        loader = load_extension().Loader(threads, spin_us, list(cpus))
         self.loaders.append(loader)
         return loader
 

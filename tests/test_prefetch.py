@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moebench.engine import RuntimeConfig, load_checkpoint
-from moebench.engine.expert_store import PooledStore
+from moebench.engine.expert_store import PooledStore, loader_cpus
+from moebench.errors import MoebenchError
 from moebench.engine.offload import ExpertTier, HostTier
 from moebench.engine.prefetch import LookaheadPrefetcher
 from moebench.kernels import expert_loader
@@ -241,6 +242,46 @@ def test_native_loader_copies_and_upcasts_exactly(tmp_path):
     finally:
         os.close(fd)
         loader.close()
+
+
+def _loader_affinities() -> list[set[int]]:
+    """The cpu sets of the native loader's worker threads."""
+    sets = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "moebench-load":
+                    sets.append(os.sched_getaffinity(int(tid)))
+        except FileNotFoundError:
+            pass
+    return sets
+
+
+@native
+def test_loader_threads_run_on_the_cores_the_model_leaves(monkeypatch):
+    mine = sorted(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    auto = RuntimeConfig()
+    assert loader_cpus(auto) == mine[1:]  # the model's one thread keeps a core to itself
+    monkeypatch.setattr(torch, "get_num_threads", lambda: len(mine))
+    assert loader_cpus(auto) == []  # the model uses every core: the loaders share them
+    assert loader_cpus(RuntimeConfig(extra={"loader_cpus": "any"})) == []
+    assert loader_cpus(RuntimeConfig(extra={"loader_cpus": str(mine[-1])})) == [mine[-1]]
+    with pytest.raises(MoebenchError, match="not among this process's cpus"):
+        loader_cpus(RuntimeConfig(extra={"loader_cpus": "4096"}))
+    with pytest.raises(MoebenchError, match="expected auto, any or a list"):
+        loader_cpus(RuntimeConfig(extra={"loader_cpus": "last"}))
+    ext = expert_loader.load_extension()
+    before = len(_loader_affinities())
+    loader = ext.Loader(3, 0, [mine[-1]])
+    try:
+        pinned = _loader_affinities()
+        assert len(pinned) == before + 3 and pinned.count({mine[-1]}) >= 3
+    finally:
+        loader.close()
+    with pytest.raises(ValueError, match="cpus outside"):
+        ext.Loader(2, 0, [4096])
+    assert len(_loader_affinities()) == before  # the refused loader left no thread behind
 
 
 def test_early_guess_uses_the_next_router_on_this_layers_moe_input(ckpt):
