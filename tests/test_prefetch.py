@@ -9,9 +9,9 @@ import torch
 
 from moebench.engine import RuntimeConfig, load_checkpoint
 from moebench.engine.expert_store import PooledStore, loader_cpus
-from moebench.errors import MoebenchError
 from moebench.engine.offload import ExpertTier, HostTier
 from moebench.engine.prefetch import LookaheadPrefetcher
+from moebench.errors import MoebenchError
 from moebench.kernels import expert_loader
 from tiny_models import make_tiny_checkpoint
 
@@ -168,16 +168,21 @@ def test_no_prefetch_hits_is_an_activation_error(ckpt):
 native = pytest.mark.skipif(expert_loader.load_extension() is None, reason="native expert loader not built")
 
 
-def _threads() -> int:
-    """The native loader's worker threads alive in this process (they name themselves)."""
-    count = 0
+def _loader_affinities() -> list[set[int]]:
+    """The cpu sets of the native loader's worker threads alive in this process (they name themselves)."""
+    sets = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().strip() == "moebench-load"
+                if f.read().strip() == "moebench-load":
+                    sets.append(os.sched_getaffinity(int(tid)))
         except OSError:  # a thread that ended meanwhile
             pass
-    return count
+    return sets
+
+
+def _threads() -> int:
+    return len(_loader_affinities())
 
 
 @native
@@ -242,19 +247,6 @@ def test_native_loader_copies_and_upcasts_exactly(tmp_path):
     finally:
         os.close(fd)
         loader.close()
-
-
-def _loader_affinities() -> list[set[int]]:
-    """The cpu sets of the native loader's worker threads."""
-    sets = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == "moebench-load":
-                    sets.append(os.sched_getaffinity(int(tid)))
-        except FileNotFoundError:
-            pass
-    return sets
 
 
 @native
