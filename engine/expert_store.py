@@ -507,6 +507,8 @@ class PooledStore(ExpertStore):
         if self.executor is None:
             return
         pool, stage = self.pools[layer], self.stage_of[layer]
+        if pool.predicted is not None and pool.predicted.issuperset(experts):
+            return  # the late guess often repeats the early one: all of it is resident or on its way
         if stage.layer != layer:
             self._reset_stage(stage, layer)
         keep = set(experts)

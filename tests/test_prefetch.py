@@ -276,6 +276,20 @@ def test_loader_threads_run_on_the_cores_the_model_leaves(monkeypatch):
     assert len(_loader_affinities()) == before  # the refused loader left no thread behind
 
 
+def test_a_second_guess_inside_the_first_issues_nothing(ckpt):
+    """The late guess often repeats the early one: what it names is resident or loading already."""
+    store = store_for(ckpt)
+    store.fetch(0, torch.tensor([[0, 1]]))
+    store.prefetch(1, [8, 9, 2])
+    assert store.take_step()["prefetch_issued"] == 2
+    store.prefetch(1, [9, 2])
+    assert store.take_step()["prefetch_issued"] == 0
+    store.prefetch(1, [9, 10])  # one new expert: only it is loaded
+    assert store.take_step()["prefetch_issued"] == 1
+    assert store.pools[1].predicted == {2, 8, 9, 10}
+    store.close()
+
+
 def test_early_guess_uses_the_next_router_on_this_layers_moe_input(ckpt):
     """Slow tiers guess layer L+1 from layer L's MoE input as well (x = h * w_L / rms(h)); a second
     guess for the same call adds to the first."""
