@@ -138,8 +138,11 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
           f"bytes loaded in decode: {evidence['resident/lookahead'].get('decode_bytes_loaded', 0)}")
     for tier in tiers:
         res, off, la = times["resident"], times[f"{tier}/off"], times[f"{tier}/lookahead"]
+        # a pair where off was not slower than resident has no penalty to share: it is left out of
+        # the median (a median over a list holding nan is arbitrary)
         shares = [(o - a) / (o - r) if o > r else float("nan") for r, o, a in zip(res, off, la)]
-        share = statistics.median(shares)
+        defined = [x for x in shares if x == x]
+        share = statistics.median(defined) if defined else float("nan")
         mr, mo, ml = (statistics.median(x) for x in (res, off, la))
         of_medians = (mo - ml) / (mo - mr) if mo > mr else float("nan")
         speedup = _median_ratio(off, la)
@@ -149,7 +152,8 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
                               "prediction_recall": evidence[f"{tier}/lookahead"].get("prediction_recall")}
         print(f"{tier}: lookahead {speedup:.2f}x decode vs off "
               f"(off is {_median_ratio(off, res):.2f}x resident's time), "
-              f"hides {share:.1%} of the offload penalty (paired repeats: {', '.join(f'{s:.0%}' for s in shares)}; "
+              f"hides {share:.1%} of the offload penalty (paired repeats: {', '.join(f'{s:.0%}' for s in shares)}"
+              f"{'; undefined where off was not slower than resident' if len(defined) < len(shares) else ''}; "
               f"from the median times: {of_medians:.1%}); prediction recall "
               f"{_fmt(evidence[f'{tier}/lookahead'].get('prediction_recall'), '.1%')}")
     return out
