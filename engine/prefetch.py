@@ -6,7 +6,10 @@ mostly what the layer will pick:
 - after MoE layer L has added its output (`after_layer`): layer L+1's router on that stream, and
   the loads overlap layer L+1's attention;
 - at the start of a forward (`before_forward`): the first MoE layer's router on the embeddings, and
-  the loads overlap the attention of the layers before it.
+  the loads overlap the attention of the layers before it;
+- earlier, unless `early` is off (`before_layer`, the early guess): layer L+1's router on layer L's
+  MoE input, before layer L's MoE, so the loads overlap that MoE too (a disk read, or a layer's copies
+  of MB-sized experts, outlasts one attention). The late guess then adds what the early one missed.
 
 Measured on the bundled model (gsm-synth prompts, resident run, top-(k+1) per token): layers 1-3
 recall 89% at batch 1 and 95% at batch 16, precision 59% / 81%; the first layer from the embeddings
