@@ -31,6 +31,11 @@ class Completion:
     ttft_s: float
     latency_s: float
     token_times: list[float]
+    error = None  # an in-process request never fails alone (HTTP engines' completions may)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)
 
     @property
     def itl_s(self) -> list[float]:
@@ -106,7 +111,7 @@ class Engine:
         prompt_ids: list[list[int]] | None = None,
     ) -> GenerationResult:
         """Run every request to completion. `prompt_ids` bypasses the tokenizer (tests, benchmarks)."""
-        rt, cfg = self.runtime, self.cfg
+        rt = self.runtime
         arrival = time.perf_counter()
         seqs = []
         for i, req in enumerate(requests):
@@ -117,48 +122,29 @@ class Engine:
         if not seqs:
             return GenerationResult([], [], {}, [], 0.0)
 
-        block_manager = BlockManager(self._kv_blocks(seqs), rt.kv_block_size)
-        kv = KVCache(cfg.num_layers, block_manager.num_blocks, rt.kv_block_size, cfg.num_kv_heads,
-                     cfg.head_dim, rt.torch_dtype, rt.device)
-        stats = RoutingStats(cfg.num_layers, cfg.num_experts)
-        kernel = make_kernel(rt.kernel)
-        store, prefetcher = make_store_and_prefetcher(self.ckpt, rt)
-        model = MoeTransformer(self.ckpt, None)
-        model.moe_block = MoeBlock(model.route, kernel, store, prefetcher, stats)
-        scheduler = make_scheduler(rt, block_manager)
-        if hasattr(scheduler, "attach"):
-            scheduler.attach(stats)
+        session = EngineSession(self, self._kv_blocks(seqs), on_complete, arrival)
         for s in seqs:
-            scheduler.add(s)
-
-        completions: list[Completion] = []
+            session.add(s)
         steps: list[StepRecord] = []
         try:
-            while scheduler.has_work():
-                # A step's time covers all the engine does for it (choosing the batch, building it,
-                # the forward, sampling, bookkeeping): a costly scheduler must not look free.
-                step_start = time.perf_counter()
-                batch_seqs = scheduler.schedule()
-                if not batch_seqs:
-                    raise MoebenchError("scheduler made no progress (a request cannot fit in the KV cache)")
-                steps.append(self._step(len(steps), batch_seqs, model, kv, block_manager, stats, store, scheduler,
-                                        completions, on_complete, arrival, step_start))
+            while session.has_work():
+                steps.append(session.step())
         finally:
-            store.close()
+            session.close()
         wall = time.perf_counter() - arrival
 
-        evidence = {
-            "kernel": kernel.evidence(),
-            "scheduler": {**scheduler.evidence(), "kv_block_reuses": block_manager.reuses},
-            "prefetch": {**store.evidence(), **prefetcher.evidence()},
-        }
-        errors = kernel_activation_errors(rt.kernel, evidence["kernel"])
-        errors += scheduler_activation_errors(rt.scheduler, evidence["scheduler"], len(seqs), rt.batch_size)
-        if hasattr(prefetcher, "activation_errors"):
-            errors += prefetcher.activation_errors(store)
+        evidence = session.evidence()
+        errors = session.activation_errors(evidence, len(seqs))
         order = {r.id: i for i, r in enumerate(requests)}
+        completions = session.completions
         completions.sort(key=lambda c: order[c.id])
-        return GenerationResult(completions, steps, evidence, errors, wall, stats.load.tolist())
+        return GenerationResult(completions, steps, evidence, errors, wall, session.stats.load.tolist())
+
+    def session(self, max_sequence_tokens: int, on_complete: Callable[[Completion], None] | None = None) -> EngineSession:
+        """A long-lived session (a server's): its KV cache holds every request the scheduler may keep
+        resident at `max_sequence_tokens` tokens (prompt plus generation) each."""
+        blocks = max_resident(self.runtime) * -(-max_sequence_tokens // self.runtime.kv_block_size) + 1
+        return EngineSession(self, blocks, on_complete, time.perf_counter())
 
     def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
               step_start):
@@ -264,3 +250,90 @@ class Engine:
                 hit = True
             self._stop_tokens[key] = hit
         return hit
+
+
+class EngineSession:
+    """One KV cache, expert store, model and scheduler that requests can join between steps.
+
+    `Engine.generate` runs a session until its requests are done; `moebench serve` keeps one open
+    and adds requests as they arrive, so a continuous scheduler admits them into the running batch
+    at the next step and a static one at the next batch."""
+
+    def __init__(self, engine: Engine, num_kv_blocks: int, on_complete: Callable[[Completion], None] | None,
+                 arrival: float):
+        rt, cfg = engine.runtime, engine.cfg
+        self.engine = engine
+        self.arrival = arrival
+        self.on_complete = on_complete
+        self.block_manager = BlockManager(num_kv_blocks, rt.kv_block_size)
+        self.kv = KVCache(cfg.num_layers, self.block_manager.num_blocks, rt.kv_block_size, cfg.num_kv_heads,
+                          cfg.head_dim, rt.torch_dtype, rt.device)
+        self.stats = RoutingStats(cfg.num_layers, cfg.num_experts)
+        self.kernel = make_kernel(rt.kernel)
+        self.store, self.prefetcher = make_store_and_prefetcher(engine.ckpt, rt)
+        self.model = MoeTransformer(engine.ckpt, None)
+        self.model.moe_block = MoeBlock(self.model.route, self.kernel, self.store, self.prefetcher, self.stats)
+        self.scheduler = make_scheduler(rt, self.block_manager)
+        if hasattr(self.scheduler, "attach"):
+            self.scheduler.attach(self.stats)
+        self.completions: list[Completion] = []  # finished requests, in the order they finished
+        self.num_steps = 0
+        self.num_requests = 0
+        self.last_batch: list[Sequence] = []
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.num_requests += 1
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> StepRecord:
+        """One engine step; its sequences (each one token longer, or finished) are in `last_batch`."""
+        # A step's time covers all the engine does for it (choosing the batch, building it,
+        # the forward, sampling, bookkeeping): a costly scheduler must not look free.
+        step_start = time.perf_counter()
+        batch_seqs = self.scheduler.schedule()
+        if not batch_seqs:
+            raise MoebenchError("scheduler made no progress (a request cannot fit in the KV cache)")
+        self.last_batch = batch_seqs
+        record = self.engine._step(self.num_steps, batch_seqs, self.model, self.kv, self.block_manager, self.stats,
+                                   self.store, self.scheduler, self.completions, self.on_complete, self.arrival,
+                                   step_start)
+        self.num_steps += 1
+        return record
+
+    def abort(self, seq: Sequence) -> bool:
+        """Take a request out (its client went away): out of the queue, or finished with reason
+        "abort" and its KV blocks freed. False when it had finished already."""
+        if seq.finished:
+            return False
+        waiting = self.scheduler.waiting
+        queued = next((i for i, s in enumerate(waiting) if s is seq), None)  # identity: equal fields are not the same request
+        if queued is not None:
+            del waiting[queued]
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def close(self) -> None:
+        self.store.close()
+
+    def evidence(self) -> dict:
+        return {
+            "kernel": self.kernel.evidence(),
+            "scheduler": {**self.scheduler.evidence(), "kv_block_reuses": self.block_manager.reuses},
+            "prefetch": {**self.store.evidence(), **self.prefetcher.evidence()},
+        }
+
+    def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:
+        rt = self.engine.runtime
+        errors = kernel_activation_errors(rt.kernel, evidence["kernel"])
+        errors += scheduler_activation_errors(rt.scheduler, evidence["scheduler"], num_requests, rt.batch_size)
+        if hasattr(self.prefetcher, "activation_errors"):
+            errors += self.prefetcher.activation_errors(self.store)
+        return errors

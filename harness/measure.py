@@ -98,22 +98,42 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
             raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
 
 
-def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base_runtime, args) -> None:
-    from moebench.engine import Engine
-    from moebench.run import _runtime_for, _sample_record
+class ServerDied(Exception):
+    def __init__(self, config: str, trial: int, result):
+        failed = result.failed_requests
+        first = next((c.error for c in result.completions if c.error), "")
+        super().__init__(f"the server of config '{config}' exited with code {result.server_exit} during trial {trial}: "
+                         f"{failed} of {len(result.completions)} requests failed (first: {first}); "
+                         f"its log: {result.evidence.get('log')}")
+
+
+def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base_runtime, args,
+            backend=None) -> None:
+    """Run every (trial, config) not yet done. `backend` is the engine (moebench.engines); the
+    default is the bundled runtime on `ckpt` with `base_runtime`."""
+    from moebench.run import _sample_record
 
     repeats = manifest["repeats"]
-    ckpt = CheckpointVariants(ckpt)
+    if backend is None:
+        from moebench.engines.bundled import BundledBackend
+
+        backend = BundledBackend(configs, CheckpointVariants(ckpt), tokenizer, base_runtime)
+    configs = backend.configs
+    max_new_tokens = base_runtime.max_new_tokens if base_runtime is not None else args["max_new_tokens"]
     done = _completed_trials(run_dir)
     _drop_partial_samples(run_dir, done)
     steps = _load_steps(run_dir, done)
     todo = [(t, c) for t in range(repeats) for c in configs if (c.name, t) not in done]
     items_by_id = {item.id: item for item in suite.items}
-    requests = _requests(suite, suite.items, base_runtime.max_new_tokens)
+    requests = _requests(suite, suite.items, max_new_tokens)
     if done:
         console.print(f"resuming {run_dir}: {len(done)} trials done, {len(todo)} to go")
     if todo:
-        warm_up(configs, ckpt, tokenizer, suite, base_runtime, _runtime_for, args["warmup"])
+        try:
+            backend.warm_up(suite, args["warmup"])
+        except BaseException:
+            backend.close()
+            raise
 
     samples_file = run_dir / "samples.jsonl"
     activation_failures: list[str] = []
@@ -126,8 +146,6 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
             overall = progress.add_task("all trials", total=len(todo) * len(requests), rate="")
             for trial, cfg in todo:
                 task = progress.add_task(f"{cfg.name} #{trial}", total=len(requests), rate="")
-                runtime = _runtime_for(base_runtime, cfg)
-                engine = Engine(ckpt(cfg), tokenizer, runtime)
                 started = time.perf_counter()
                 tokens = [0]
 
@@ -139,18 +157,22 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     progress.update(task, advance=1, rate=rate)
                     progress.update(overall, advance=1)
 
-                result = engine.generate(requests, on_complete=on_complete)
+                with backend.session(cfg, f"t{trial}") as engine:
+                    started = time.perf_counter()
+                    result = engine.generate(requests, on_complete=on_complete)
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
-                failed = result.activation_errors if len(requests) > base_runtime.batch_size else []
+                exercised = backend.exercises_all_switches or len(requests) > base_runtime.batch_size
+                failed = result.activation_errors if exercised else []
                 if failed:
                     activation_failures.append(f"config '{cfg.name}' trial {trial}: " + "; ".join(failed))
                 append_jsonl(run_dir / "trials.jsonl", {
                     "config": cfg.name, "trial": trial, "wall_s": result.wall_s,
                     "decode_s": decode_s, "decode_tokens": decode_tokens,
                     "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
-                    "output_tokens": sum(len(c.output_ids) for c in result.completions),
+                    "output_tokens": sum(c.output_tokens for c in result.completions),
+                    "failed_requests": sum(getattr(c, "error", None) is not None for c in result.completions),
                     "evidence": result.evidence, "activation_ok": not failed,
                     "activation_errors": failed, "expert_load": result.expert_load,
                 })
@@ -160,10 +182,18 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
                     f"wall {result.wall_s:6.1f} s"
                 )
+                if getattr(result, "server_exit", None) is not None:
+                    raise ServerDied(cfg.name, trial, result)
+    except ServerDied as died:
+        write_summary(run_dir)
+        console.print(f"[red]error[/red]: {died}; samples so far are kept in {run_dir}")
+        raise typer.Exit(1)
     except KeyboardInterrupt:
         kept = len(read_jsonl(samples_file)) if samples_file.exists() else 0
         console.print(f"interrupted: {kept} samples kept in {run_dir}; continue with: moebench run --resume {run_dir}")
         raise
+    finally:
+        backend.close()  # servers it started stop here, on every way out
 
     write_summary(run_dir)
     if activation_failures:

@@ -59,8 +59,15 @@ def _model_summary(ckpt) -> dict:
 
 
 def _sample_record(cfg_name, trial, item, suite, completion) -> dict:
+    """One line of samples.jsonl; a failed request (HTTP engines) is kept, with its error."""
+    if completion.error is not None:
+        return {"config": cfg_name, "trial": trial, "item_id": item.id, "prompt_tokens": None, "output": "",
+                "answer": None, "answer_strict": None, "target": item.target, "correct": False,
+                "correct_strict": False, "output_tokens": 0, "finish_reason": "error", "ttft_s": None,
+                "latency_s": None, "tpot_s": None, "itl_s": [], "error": completion.error}
     score = suite.score(completion.text, item)
     itl = completion.itl_s
+    n = completion.output_tokens
     return {
         "config": cfg_name,
         "trial": trial,
@@ -72,11 +79,12 @@ def _sample_record(cfg_name, trial, item, suite, completion) -> dict:
         "target": item.target,
         "correct": bool(score.correct),
         "correct_strict": bool(score.correct_strict),
-        "output_tokens": len(completion.output_ids),
+        "output_tokens": n,
         "finish_reason": completion.finish_reason,
         "ttft_s": round(completion.ttft_s, 6),
         "latency_s": round(completion.latency_s, 6),
-        "tpot_s": round(sum(itl) / len(itl), 6) if itl else None,
+        # vLLM's TPOT: the time after the first token over the tokens after it
+        "tpot_s": round((completion.latency_s - completion.ttft_s) / (n - 1), 6) if n > 1 else None,
         "itl_s": [round(x, 6) for x in itl],
         "error": None,
     }
@@ -107,6 +115,18 @@ def run_command(
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: timestamp and model)."),
     negative_control_: Optional[str] = typer.Option(None, "--negative-control", help="Add an approximate config that SHOULD change answers (int4, int3 or int2 round-to-nearest experts), proving the accuracy check has power."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue an interrupted run directory with its own manifest."),
+    engine: str = typer.Option("bundled", "--engine", help="bundled (the in-process runtime) or openai (an OpenAI-compatible server over HTTP).", rich_help_panel="Serving engines"),
+    base_url: Optional[str] = typer.Option(None, "--base-url", help="With --engine openai: a server already running, e.g. http://127.0.0.1:8000.", rich_help_panel="Serving engines"),
+    profiles: Optional[Path] = typer.Option(None, "--profiles", help="With --engine openai: a profile file (profiles/*.toml); moebench starts each configuration's server itself.", rich_help_panel="Serving engines"),
+    profile: Optional[list[str]] = typer.Option(None, "--profile", help="Only these profiles of --profiles (repeatable; the baseline is always kept).", rich_help_panel="Serving engines"),
+    served_model: Optional[str] = typer.Option(None, "--served-model", help="The request's model name (default: the profile's, else the server's first /v1/models id).", rich_help_panel="Serving engines"),
+    tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json: prompts go as token ids, so the server's tokenizer cannot change them (default: the profile's).", rich_help_panel="Serving engines"),
+    chat: bool = typer.Option(False, "--chat", help="Send /v1/chat/completions (one user message) instead of /v1/completions.", rich_help_panel="Serving engines"),
+    concurrency: int = typer.Option(16, "--concurrency", help="Requests in flight at once.", rich_help_panel="Serving engines"),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (0 = greedy); with sampling each request's seed comes from (--seed, item id).", rich_help_panel="Serving engines"),
+    top_p: Optional[float] = typer.Option(None, "--top-p", rich_help_panel="Serving engines"),
+    top_k: Optional[int] = typer.Option(None, "--top-k", rich_help_panel="Serving engines"),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take.", rich_help_panel="Serving engines"),
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
     from moebench.engine import RuntimeConfig
@@ -123,6 +143,10 @@ def run_command(
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,
+            engine=engine, base_url=base_url, profiles=str(profiles) if profiles else None, profile=profile or None,
+            served_model=served_model, tokenizer=str(tokenizer_dir) if tokenizer_dir else None, chat=chat,
+            concurrency=concurrency, temperature=temperature, top_p=top_p, top_k=top_k,
+            request_timeout=request_timeout,
         )
         run_dir = None
     if args["repeats"] < 1:
@@ -130,6 +154,8 @@ def run_command(
     if args["factorial"] and not args["ablate"]:
         raise MoebenchError("--factorial needs --ablate")
 
+    if args.get("engine", "bundled") != "bundled":
+        return _run_over_http(args, out, run_id, run_dir, manifest if run_dir is not None else None)
     configs = _configs(args)
     threads = args.get("threads")
     if threads is None and args["device"] == "cpu":
@@ -168,6 +194,86 @@ def run_command(
     from moebench.measure import measure
 
     measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, base_runtime, args)
+
+
+def _run_over_http(args: dict, out: Path, run_id: str | None, run_dir: Path | None, manifest: dict | None) -> None:
+    """The same measurement, statistics and files, with an OpenAI-compatible server as the engine."""
+    from moebench.engines.http import HttpBackend
+    from moebench.engines.openai import ClientOptions
+    from moebench.engines.profiles import load_profiles
+    from moebench.engines.server import Placeholders
+    from moebench.measure import _requests, measure
+    from moebench.suites import load_suite
+
+    if (args["base_url"] is None) == (args["profiles"] is None):
+        raise MoebenchError("--engine openai needs exactly one of --base-url URL or --profiles FILE")
+    if args["concurrency"] < 1:
+        raise MoebenchError(f"--concurrency must be >= 1, got {args['concurrency']}")
+    if args["temperature"] < 0:
+        raise MoebenchError(f"--temperature must be >= 0, got {args['temperature']}")
+    for switch in ("kernel", "scheduler", "prefetch"):
+        if args[switch] != {"kernel": "naive", "scheduler": "static", "prefetch": "off"}[switch]:
+            raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
+    if args.get("negative_control"):
+        raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
+    profile_file = load_profiles(Path(args["profiles"])) if args["profiles"] else None
+    if profile_file is not None and args["profile"]:
+        profile_file.select([profile_file.profiles[0].name, *args["profile"]])
+    if args["limit"] is None and args["suite"] == "gsm-synth":
+        args["limit"] = 200
+    suite_obj = load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
+                           num_fewshot=args["num_fewshot"])
+    placeholders = Placeholders("127.0.0.1", args["model"], args["served_model"], args.get("threads"))
+    tokenizer_dir = args["tokenizer"] or (profile_file.server.get("tokenizer") if profile_file else None)
+    tokenizer = None
+    if tokenizer_dir:
+        from tokenizers import Tokenizer
+
+        path = Path(placeholders.fill(tokenizer_dir)) / "tokenizer.json"
+        if not path.is_file():
+            raise MoebenchError(f"{path}: no such file (--tokenizer wants a directory with tokenizer.json)")
+        tokenizer = Tokenizer.from_file(str(path))
+    options = ClientOptions(concurrency=args["concurrency"], chat=args["chat"], temperature=args["temperature"],
+                            top_p=args["top_p"], top_k=args["top_k"], seed=args["seed"],
+                            request_timeout_s=args["request_timeout"])
+    if run_dir is None:
+        stem = Path(args["profiles"]).stem if args["profiles"] else "server"
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = out / (run_id or f"{stamp}-{stem}-{suite_obj.name}")
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise MoebenchError(f"{run_dir}: already exists (choose another --run-id or use --resume {run_dir})")
+    warmup = _requests(suite_obj, suite_obj.items[: max(args["warmup"], 0)], args["max_new_tokens"])
+    backend = HttpBackend(options, run_dir, profile_file, args["base_url"], args["served_model"], tokenizer,
+                          placeholders, warmup)
+    if manifest is None:
+        manifest = _http_manifest(args, run_dir, suite_obj, backend)
+        atomic_write_json(run_dir / "manifest.json", manifest)
+    measure(run_dir, manifest, backend.configs, None, None, suite_obj, None, args, backend=backend)
+
+
+def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
+    from moebench.machine import describe_machine, git_commit, package_versions
+
+    return {
+        "schema": "moebench.manifest/1",
+        "run_id": run_dir.name,
+        "command": "moebench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "args": args,
+        "model": {"served_model": backend.served_model, "path": args["model"]},
+        "engine": backend.describe(),
+        "suite": suite_obj.describe(),
+        "configs": [c.to_dict() for c in backend.configs],
+        "baseline": backend.configs[0].name,
+        "runtime": {"engine": "openai", "max_new_tokens": args["max_new_tokens"],
+                    "concurrency": args["concurrency"], "temperature": args["temperature"]},
+        "repeats": args["repeats"],
+        "warmup_items": args["warmup"],
+        "seed": args["seed"],
+        "git_commit": git_commit(),
+        "versions": package_versions(),
+        "machine": describe_machine(),
+    }
 
 
 def _parse_budget(text: str) -> float | str:

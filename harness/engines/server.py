@@ -1,0 +1,267 @@
+"""Server processes that moebench starts: a free loopback port, the server's own log kept beside
+the results, health before use, evidence read from the server itself, and no orphans (its own
+process group, killed with the group; the kernel kills it too if moebench dies first)."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moebench.engines.profiles import EndpointCheck, Evidence, Profile
+from moebench.errors import MoebenchError
+
+_LIVE: set["ServerProcess"] = set()
+LOG_TAIL_LINES = 12
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def stop_all_servers() -> None:
+    for server in list(_LIVE):
+        server.stop()
+
+
+atexit.register(stop_all_servers)
+
+
+class Placeholders:
+    """Values for the braces in a profile's argv; the costly ones (a llama.cpp build, a GGUF
+    export) are made only when a command names them."""
+
+    def __init__(self, host: str, model: str | None, served_model: str | None, threads: int | None):
+        self.fixed = {"host": host, "python": sys.executable,
+                      "threads": str(threads or 1)}
+        if model:
+            self.fixed["model"] = model
+        if served_model:
+            self.fixed["served_model"] = served_model
+
+    def _lazy(self, name: str) -> str | None:
+        if name == "llama_server":
+            from moebench.engines.llamacpp import llama_server_path
+
+            return str(llama_server_path())
+        if name == "bundled_gguf":
+            from moebench.engines.llamacpp import bundled_gguf_path
+
+            return str(bundled_gguf_path())
+        if name == "bundled_model":
+            from moebench.run import bundled_model_path
+
+            return str(bundled_model_path())
+        return None
+
+    def fill(self, text: str, port: int | None = None) -> str:
+        def value(match: re.Match) -> str:
+            name = match.group(1)
+            if name == "port" and port is not None:
+                return str(port)
+            if name in self.fixed:
+                return self.fixed[name]
+            lazy = self._lazy(name)
+            if lazy is None:
+                hint = " (give --model)" if name == "model" else ""
+                raise MoebenchError(f"profile placeholder {{{name}}} has no value{hint}")
+            self.fixed[name] = lazy
+            return lazy
+
+        return re.sub(r"\{([a-z_]+)\}", value, text)
+
+
+class ServerProcess:
+    def __init__(self, profile: Profile, placeholders: Placeholders, log_path: Path, health: str,
+                 startup_timeout_s: float, host: str = "127.0.0.1"):
+        self.profile = profile
+        self.host = host
+        self.port = free_port(host)
+        self.argv = [placeholders.fill(a, self.port) for a in profile.command]
+        self.env = {k: placeholders.fill(v, self.port) for k, v in profile.env.items()}
+        self.log_path = log_path
+        self.health = health
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.started_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"# moebench: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_die_with_parent)
+            except OSError as e:
+                raise MoebenchError(f"profile {self.profile.name}: cannot start {self.argv[0]} ({e.strerror})") from None
+        _LIVE.add(self)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        start = time.monotonic()
+        deadline = start + self.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.stop()
+                raise MoebenchError(f"profile {self.profile.name}: the server exited with code {code} before it was "
+                                    f"healthy; its log {self.log_path} ends: {self.log_tail(3)}")
+            try:
+                if httpx.get(self.base_url + self.health, timeout=2.0).status_code == 200:
+                    self.started_s = time.monotonic() - start
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise MoebenchError(f"profile {self.profile.name}: {self.base_url + self.health} not healthy after "
+                                    f"{self.startup_timeout_s:.0f} s (log: {self.log_path})")
+            time.sleep(0.25)
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return " | ".join(self.log_text().strip().splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after `grace_s`."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever the server left in its group (workers, tokenizer processes)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _LIVE.discard(self)
+
+    # ------------------------------------------------------------ evidence
+
+    def evidence(self, when: str) -> tuple[dict, list[str]]:
+        """Check the profile's evidence against the server itself: at "start" (healthy) its
+        endpoints marked start; at "end" (the work done) the log regexes and the endpoints marked
+        end. Returns what was seen and the failures (none when the configuration counts)."""
+        ev: Evidence = self.profile.evidence
+        seen: dict = {}
+        errors: list[str] = []
+        if when == "end":  # the log is whole only once the server has done the work
+            log = self.log_text()
+            for pattern in ev.log_must:
+                match = re.search(pattern, log, re.MULTILINE)
+                seen[f"log ~ {pattern}"] = match.group(0).strip()[:200] if match else None
+                if not match:
+                    errors.append(f"server log has no match for {pattern!r} ({self.log_path})")
+            for pattern in ev.log_must_not:
+                match = re.search(pattern, log, re.MULTILINE)
+                seen[f"log !~ {pattern}"] = match.group(0).strip()[:200] if match else None
+                if match:
+                    errors.append(f"server log matches the forbidden {pattern!r}: {match.group(0).strip()[:120]!r}")
+        for check in ev.endpoints:
+            if check.when != when:
+                continue
+            value, problem = self._read(check)
+            seen[check.label] = value
+            if problem:
+                errors.append(problem)
+            elif not _holds(check, value):
+                errors.append(f"{check.path}: {check.field or check.metric} is {value!r}, expected "
+                              f"{check.condition} {check.expected!r}")
+        return seen, errors
+
+    def _read(self, check: EndpointCheck) -> tuple[object, str | None]:
+        import httpx
+
+        try:
+            response = httpx.get(self.base_url + check.path, timeout=10.0)
+        except httpx.HTTPError as e:
+            return None, f"{check.path}: no answer ({type(e).__name__})"
+        if response.status_code != 200:
+            return None, f"{check.path}: HTTP {response.status_code}"
+        if check.metric is not None:
+            value = prometheus_value(response.text, check.metric)
+            return value, None if value is not None else f"{check.path}: no sample {check.metric!r}"
+        try:
+            body = response.json()
+        except json.JSONDecodeError:
+            return None, f"{check.path}: not JSON"
+        try:
+            return json_field(body, check.field), None
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None, f"{check.path}: no field {check.field!r}"
+
+
+def json_field(body, dotted: str):
+    value = body
+    for part in dotted.split("."):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
+def prometheus_value(text: str, name: str) -> float | None:
+    """The sum of the samples named `name` (any labels) in Prometheus text format."""
+    total, found = 0.0, False
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
+    for match in pattern.finditer(text):
+        try:
+            total += float(match.group(1))
+            found = True
+        except ValueError:
+            pass
+    return total if found else None
+
+
+def _holds(check: EndpointCheck, value) -> bool:
+    if check.condition == "equals":
+        return value == check.expected or str(value) == str(check.expected)
+    if check.condition == "matches":
+        return value is not None and re.search(str(check.expected), str(value)) is not None
+    try:
+        return float(value) >= float(check.expected)
+    except (TypeError, ValueError):
+        return False
