@@ -1,0 +1,281 @@
+"""`moebench export gguf`: write a supported checkpoint (qwen3_moe, mixtral) as a GGUF file that
+llama.cpp loads, tokenizer included, so llama.cpp's server can be measured on the same model.
+
+The weights come from the engine's own safetensors loader, so the file holds exactly the numbers
+the bundled runtime computes with. llama.cpp's own converter identifies a BPE pre-tokenizer by the
+hash of its output on a sample text and refuses unknown ones; here the pre-tokenizer is read from
+tokenizer.json's description instead and mapped to the llama.cpp pre-tokenizer with the same
+splitting rules (see `_pre_tokenizer_name`).
+
+torch and gguf are imported inside the functions: `moebench --help` must not pay for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moebench.errors import MoebenchError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+# Hugging Face model_type -> llama.cpp architecture name (Mixtral is llama.cpp's llama with experts)
+GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+WEIGHT_DTYPES = ("f32", "f16")
+# bumped whenever the exporter's output for the same checkpoint changes (keys cached GGUF files)
+EXPORT_FORMAT_VERSION = 1
+
+
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """Byte -> the printable character byte-level BPE vocabularies spell it with: printable
+    Latin-1 bytes stand for themselves, the remaining bytes take code points from 256 upwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return alphabet
+
+
+def _is_byte_level(component: dict | None) -> bool:
+    return bool(component) and component.get("type") == "ByteLevel"
+
+
+def _pre_tokenizer_name(pre: dict | None, source: Path) -> str:
+    """The llama.cpp pre-tokenizer (`tokenizer.ggml.pre`) that splits text as `pre` does.
+
+    - ByteLevel with its GPT-2 regex -> "gpt2".
+    - Digits(individual_digits) then ByteLevel -> "command-r": llama.cpp splits by `\\p{N}` first,
+      then by the GPT-2 regex inside each piece, which is what that sequence does; of the names
+      with these two regexes it is the one that also turns off "clean up tokenization spaces" on
+      decoding (as our tokenizer_config.json says), so decoded text keeps its spaces as written.
+    """
+    if _is_byte_level(pre) and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
+        return "gpt2"
+    if pre and pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers", [])
+        if (len(parts) == 2 and parts[0].get("type") == "Digits" and parts[0].get("individual_digits")
+                and _is_byte_level(parts[1]) and parts[1].get("use_regex", True)
+                and not parts[1].get("add_prefix_space", False)):
+            return "command-r"
+    raise MoebenchError(
+        f"{source}: pre-tokenizer {json.dumps(pre)[:120]} has no llama.cpp equivalent known to the exporter "
+        "(supported: ByteLevel, or Digits(individual_digits) then ByteLevel)")
+
+
+def tokenizer_fields(model_dir: Path, vocab_size: int) -> dict:
+    """The GGUF tokenizer description of `model_dir/tokenizer.json`: {model, pre, tokens, types,
+    merges, bos, eos, pad}. Byte-level BPE becomes llama.cpp's "gpt2" tokenizer; a word-level
+    vocabulary of single characters (the random test models') becomes "gpt2" without merges, its
+    characters spelled in the byte-level alphabet so llama.cpp maps each character to its token."""
+    from gguf import TokenType
+
+    source = model_dir / "tokenizer.json"
+    try:
+        spec = json.loads(source.read_text())
+    except FileNotFoundError:
+        raise MoebenchError(f"{source}: no such file (the GGUF needs the checkpoint's tokenizer)") from None
+    except json.JSONDecodeError as e:
+        raise MoebenchError(f"{source}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    model = spec.get("model") or {}
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    for tid, tok in added.items():
+        vocab.setdefault(tok["content"], tid)
+    if not vocab:
+        raise MoebenchError(f"{source}: no vocabulary in the tokenizer")
+    if max(vocab.values()) >= vocab_size:
+        raise MoebenchError(f"{source}: token id {max(vocab.values())} is outside the model's vocabulary of {vocab_size}")
+
+    kind = model.get("type")
+    merges: list[str] = []
+    if kind == "BPE":
+        if not _is_byte_level(spec.get("decoder")) or model.get("byte_fallback"):
+            raise MoebenchError(f"{source}: only byte-level BPE tokenizers are exported (this one is not byte-level)")
+        pre = _pre_tokenizer_name(spec.get("pre_tokenizer"), source)
+        # tokenizers writes merges as "a b" strings (older files) or ["a", "b"] pairs (newer files)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+        spell = lambda text: text  # noqa: E731  (the vocabulary is already in the byte-level alphabet)
+    elif kind == "WordLevel":
+        single_chars = [t for t, i in vocab.items() if len(t) == 1 and i not in added]
+        if not single_chars:
+            raise MoebenchError(f"{source}: a word-level tokenizer is exported only when its tokens are single characters")
+        pre = "gpt2"  # no merges: splitting before them changes nothing
+        alphabet = _gpt2_byte_alphabet()
+        spell = lambda text: "".join(alphabet[b] for b in text.encode()) if len(text) == 1 else text  # noqa: E731
+    else:
+        raise MoebenchError(f"{source}: tokenizer model '{kind}' is not supported (byte-level BPE or single-character word-level)")
+
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [TokenType.UNUSED] * vocab_size
+    for text, tid in vocab.items():
+        if tid in added:
+            tokens[tid] = text
+            types[tid] = TokenType.CONTROL if added[tid].get("special") else TokenType.USER_DEFINED
+        else:
+            tokens[tid] = spell(text)
+            # a word-level vocabulary's multi-character entries (<unk>, padding) can never be produced
+            types[tid] = TokenType.NORMAL if kind == "BPE" or len(text) == 1 else TokenType.UNUSED
+
+    config_file = model_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text()) if config_file.exists() else {}
+
+    def special_id(name: str) -> int | None:
+        content = tok_config.get(name)
+        if isinstance(content, dict):
+            content = content.get("content")
+        return vocab.get(content) if content else None
+
+    return {
+        "model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges,
+        "bos": special_id("bos_token"), "eos": special_id("eos_token"), "pad": special_id("pad_token"),
+    }
+
+
+def _unsupported(cfg) -> str | None:
+    """Why llama.cpp's architecture would compute something else than this checkpoint, if it would."""
+    if cfg.attention_bias:
+        return "attention biases"
+    if cfg.sliding_window is not None:
+        return "a sliding attention window"
+    if cfg.family == "qwen3_moe":
+        if cfg.dense_layers:
+            return f"dense (non-MoE) layers {list(cfg.dense_layers)} (llama.cpp's qwen3moe makes every layer MoE)"
+        if not cfg.norm_topk_prob:
+            return "norm_topk_prob=false (llama.cpp's qwen3moe always renormalizes the top-k weights)"
+    return None
+
+
+def _rope_interleave(w, num_heads: int):
+    """Hugging Face's llama rotates the two halves of each head; llama.cpp's llama rotates adjacent
+    pairs. Reordering each head's rows (first half and second half interleaved) makes them agree."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // num_heads
+    return w.reshape(num_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
+    """Write `model_dir` as a GGUF file at `out` (atomically) and return `out`."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from moebench.engine.config import parse_model_config
+    from moebench.engine.loader import load_checkpoint
+
+    if dtype not in WEIGHT_DTYPES:
+        raise MoebenchError(f"unknown weight type '{dtype}' (choose from: {', '.join(WEIGHT_DTYPES)})")
+    model_dir = Path(model_dir)
+    cfg = parse_model_config(model_dir / "config.json")
+    reason = _unsupported(cfg)
+    if reason:
+        raise MoebenchError(f"{model_dir}: checkpoint has {reason}, which the GGUF export does not support")
+    tok = tokenizer_fields(model_dir, cfg.vocab_size)
+    ckpt = load_checkpoint(model_dir, dtype=torch.float32)
+    arch = GGUF_ARCHITECTURES[cfg.family]
+    weight_np = np.float32 if dtype == "f32" else np.float16
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        writer.add_name(model_dir.name)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_context_length(cfg.max_position_embeddings)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_block_count(cfg.num_layers)
+        writer.add_head_count(cfg.num_heads)
+        writer.add_head_count_kv(cfg.num_kv_heads)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_rope_freq_base(cfg.rope_theta)
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.top_k)
+        if cfg.family == "qwen3_moe":
+            writer.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        else:  # llama.cpp's llama takes the expert width from feed_forward_length
+            writer.add_feed_forward_length(cfg.moe_intermediate_size)
+
+        writer.add_tokenizer_model(tok["model"])
+        writer.add_tokenizer_pre(tok["pre"])
+        writer.add_token_list(tok["tokens"])
+        writer.add_token_types(tok["types"])
+        if tok["merges"]:
+            writer.add_token_merges(tok["merges"])
+        if tok["eos"] is None and cfg.eos_token_ids:
+            tok["eos"] = cfg.eos_token_ids[0]
+        for key, add_id in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                            ("pad", writer.add_pad_token_id)):
+            if tok[key] is not None:
+                add_id(tok[key])
+        # prompts are used exactly as the suite writes them: the bundled runtime adds no BOS either
+        writer.add_add_bos_token(False)
+        writer.add_add_eos_token(False)
+
+        def add(name: str, tensor, keep_f32: bool = False) -> None:
+            array = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else tensor
+            # 1-D tensors (norms) must stay F32 for llama.cpp; the router stays F32 so that F16
+            # rounding cannot flip which experts a token picks
+            target = np.float32 if keep_f32 or array.ndim == 1 else weight_np
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=target))
+
+        add("token_embd.weight", ckpt.embed)
+        add("output_norm.weight", ckpt.final_norm)
+        if ckpt.lm_head.data_ptr() != ckpt.embed.data_ptr():
+            add("output.weight", ckpt.lm_head)
+        I = cfg.moe_intermediate_size
+        for i, layer in enumerate(ckpt.layers):
+            blk = f"blk.{i}"
+            q, k = layer.q_proj, layer.k_proj
+            if cfg.family == "mixtral":
+                q, k = _rope_interleave(q, cfg.num_heads), _rope_interleave(k, cfg.num_kv_heads)
+            add(f"{blk}.attn_norm.weight", layer.input_norm)
+            add(f"{blk}.attn_q.weight", q)
+            add(f"{blk}.attn_k.weight", k)
+            add(f"{blk}.attn_v.weight", layer.v_proj)
+            add(f"{blk}.attn_output.weight", layer.o_proj)
+            if layer.q_norm is not None:
+                add(f"{blk}.attn_q_norm.weight", layer.q_norm)
+                add(f"{blk}.attn_k_norm.weight", layer.k_norm)
+            add(f"{blk}.ffn_norm.weight", layer.post_attention_norm)
+            add(f"{blk}.ffn_gate_inp.weight", layer.router, keep_f32=True)
+            add(f"{blk}.ffn_gate_exps.weight", layer.w13[:, :I])
+            add(f"{blk}.ffn_up_exps.weight", layer.w13[:, I:])
+            add(f"{blk}.ffn_down_exps.weight", layer.w2)
+
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _bundled_model() -> Path:
+    return Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
+
+
+@app.command("gguf")
+def gguf_command(
+    out: Annotated[Path, typer.Option("--out", help="The GGUF file to write.")],
+    model: Annotated[Optional[Path], typer.Option("--model", help="Checkpoint directory (default: the bundled gsm-synth-moe).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight type: f32 (exact, default) or f16. Norms and routers stay f32.")] = "f32",
+) -> None:
+    """Convert a qwen3_moe or mixtral checkpoint (safetensors) to a GGUF file for llama.cpp, tokenizer included."""
+    path = export_gguf(model or _bundled_model(), out, dtype)
+    typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
