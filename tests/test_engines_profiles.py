@@ -198,3 +198,11 @@ def test_helpers():
     assert json_field({"a": [{"b": 1}]}, "a.0.b") == 1
     assert prometheus_value("x_total 1\nx_total{a=\"b\"} 2.5\ny 3\n", "x_total") == 3.5
     assert prometheus_value("y 3\n", "x_total") is None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "profiles").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_profiles_parse_and_name_their_evidence(path):
+    pf = load_profiles(path)
+    assert len(pf.profiles) >= 2
+    for profile in pf.profiles:
+        assert not profile.evidence.empty, f"{path.name}: profile {profile.name} proves nothing"
