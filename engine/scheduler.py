@@ -102,6 +102,7 @@ class ContinuousScheduler(Scheduler):
         self.prefill_steps = 0
         self.opportunities = 0
         self._rank: dict[int, int] = {}  # id(seq) -> arrival rank
+        self._arrivals = 0
         self._preempted: set[int] = set()
         self._decoded: set[int] = set()  # id(seq) of requests that have had a decode step
         self._stats = None
@@ -117,7 +118,8 @@ class ContinuousScheduler(Scheduler):
         self.admission.attach(*stats.load.shape)
 
     def add(self, seq: Sequence) -> None:
-        self._rank[id(seq)] = len(self._rank)
+        self._rank[id(seq)] = self._arrivals
+        self._arrivals += 1
         super().add(seq)
 
     def has_work(self) -> bool:
@@ -126,6 +128,14 @@ class ContinuousScheduler(Scheduler):
     def finish(self, seq: Sequence) -> None:
         super().finish(seq)
         self._finished_since = True
+        # A long-lived engine session (moebench serve) must neither grow these without end nor let a
+        # later sequence that gets the same id() look decoded or preempted. schedule() drops finished
+        # sequences from `running` before anything reads their rank again.
+        key = id(seq)
+        self._decoded.discard(key)
+        self._preempted.discard(key)
+        self._max_blocks_of.pop(key, None)
+        self._rank.pop(key, None)
 
     def schedule(self) -> list[Sequence]:
         if self._finished_since:
@@ -287,12 +297,27 @@ def make_scheduler(runtime, block_manager: BlockManager) -> Scheduler:
     raise MoebenchError(f"scheduler={runtime.scheduler} is not implemented yet")
 
 
-def scheduler_activation_errors(scheduler: str, evidence: dict, num_requests: int, batch_size: int) -> list[str]:
-    """Continuous batching must have admitted requests into a running batch when there were more
-    requests than slots. When every batch ended all at once (equal lengths, no stops), there was
-    nothing to admit mid-flight: the scheduler reports its opportunities, and none is no error."""
-    if scheduler != "continuous" or num_requests <= batch_size or evidence.get("admissions_mid_flight", 0) > 0:
+def scheduler_not_exercised(scheduler: str, evidence: dict, num_requests: int, batch_size: int) -> list[str]:
+    """Why continuous batching had no chance to show itself in this workload ([] when it had one): its
+    evidence, a request admitted into a running batch, needs more requests than slots, a batch of more
+    than one, and a request finishing while others still decode."""
+    if scheduler != "continuous" or evidence.get("admissions_mid_flight", 0) > 0:
         return []
+    if batch_size <= 1:
+        return ["scheduler=continuous not exercised: a batch of one has no running batch to admit into"]
+    if num_requests <= batch_size:
+        return [f"scheduler=continuous not exercised: {num_requests} requests fit one batch of {batch_size}, "
+                "so none waited to be admitted mid-flight"]
     if evidence.get("mid_flight_opportunities", 1) == 0:
+        return ["scheduler=continuous not exercised: every batch ended all at once, nothing to admit mid-flight"]
+    return []
+
+
+def scheduler_activation_errors(scheduler: str, evidence: dict, num_requests: int, batch_size: int) -> list[str]:
+    """Continuous batching must have admitted a request into a running batch wherever the workload gave
+    it the chance (see scheduler_not_exercised for where it did not)."""
+    if scheduler != "continuous" or evidence.get("admissions_mid_flight", 0) > 0:
+        return []
+    if scheduler_not_exercised(scheduler, evidence, num_requests, batch_size):
         return []
     return ["scheduler=continuous but no request was admitted into a running batch"]
