@@ -26,6 +26,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 # Hugging Face model_type -> llama.cpp architecture name (Mixtral is llama.cpp's llama with experts)
 GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 WEIGHT_DTYPES = ("f32", "f16")
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>")  # the engine's fallback list
 # bumped whenever the exporter's output for the same checkpoint changes (keys cached GGUF files)
 EXPORT_FORMAT_VERSION = 1
 
@@ -213,8 +214,9 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
         writer.add_token_types(tok["types"])
         if tok["merges"]:
             writer.add_token_merges(tok["merges"])
-        if tok["eos"] is None and cfg.eos_token_ids:
-            tok["eos"] = cfg.eos_token_ids[0]
+        if tok["eos"] is None:  # as the bundled runtime finds its end of text
+            named = [tok["tokens"].index(n) for n in _EOS_NAMES if n in tok["tokens"]]
+            tok["eos"] = cfg.eos_token_ids[0] if cfg.eos_token_ids else (named[0] if named else None)
         for key, add_id in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                             ("pad", writer.add_pad_token_id)):
             if tok[key] is not None:
