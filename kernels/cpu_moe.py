@@ -7,8 +7,9 @@ gathers, scatters and dispatch per expert. The extension in `csrc/moe_cpu.cpp` d
 layer in one call (sort once, fused gate/up + SiLU, down projection with the routed weight
 and top-k sum), streaming the weights with vectorised multi-row, multi-token dot products.
 
-It is compiled at first use with torch.utils.cpp_extension (needs the system C++ compiler and
-ninja; ~30-60 s, cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions afterwards).
+It is compiled at first use in each Python environment by `build.build_extension` (needs the
+system C++ compiler and ninja; about 2 min 20 s on a 2-core machine, announced; cached per
+environment under ~/.cache/moebench/extensions afterwards, see docs/kernels.md "Building").
 If that fails, or the CPU lacks AVX2/FMA, `fused_moe_cpu` warns once and runs the same fused
 algorithm with grouped torch ops. `cpu_backend()` says which one runs.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .align import sort_by_expert
-from .build import LazyExtension, extension_name, find_ninja
+from .build import Extension, LazyExtension, build_extension
 
 __all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "load_extension"]
 
@@ -42,7 +42,9 @@ CSRC_ATTENTION = CSRC.with_name("attention_cpu.cpp")  # paged decode attention, 
 # on which of a token's experts is added first, i.e. on the slots the expert store happened to pick,
 # and offloaded runs would no longer match resident ones bit for bit.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
-EXTENSION_NAME = extension_name("moebench_moe_cpu", [CSRC, CSRC_ATTENTION], CFLAGS)
+EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attention", (CSRC, CSRC_ATTENTION),
+                      tuple(CFLAGS), ("-fopenmp",),
+                      estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load")
 
 BACKEND_CPP = "cpp-avx2-openmp"
 BACKEND_TORCH = "torch-grouped"
@@ -51,26 +53,7 @@ BACKEND_TORCH = "torch-grouped"
 def _build():
     if not torch.cpu._is_avx2_supported():
         raise RuntimeError("this CPU has no AVX2/FMA")
-    if find_ninja() is None:
-        raise RuntimeError("ninja not found (pip install ninja)")
-    from torch.utils.cpp_extension import load
-
-    # The first build takes tens of seconds; say so rather than hang silently.
-    note = threading.Timer(
-        3.0, lambda: print("moebench: compiling the CPU MoE kernel (first use only, ~1 min)...", file=sys.stderr)
-    )
-    note.daemon = True
-    note.start()
-    try:
-        return load(
-            name=EXTENSION_NAME,
-            sources=[str(CSRC), str(CSRC_ATTENTION)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    finally:
-        note.cancel()
+    return build_extension(EXTENSION)
 
 
 _extension = LazyExtension("the CPU MoE kernel", "MOEBENCH_CPU_KERNEL", strict="cpp", off="torch",

@@ -1,7 +1,7 @@
 """Native expert loads: copy (and upcast) experts into fast-pool slots on threads that never take the GIL.
 
 `csrc/expert_loader.cpp` is a small C++ extension of its own (plain C++, no SIMD flags), compiled at
-first use like the CPU MoE kernel. A load is described as plain integers, so the worker threads
+first use in each Python environment like the CPU MoE kernel (`build.build_extension`, announced). A load is described as plain integers, so the worker threads
 never touch a Python object:
 
     (fd, offset, length, needed, fadvise, label, [(src, dst, src_bytes, kind), ...])
@@ -27,22 +27,19 @@ from pathlib import Path
 
 import torch
 
-from .build import LazyExtension, extension_name, find_ninja
+from .build import Extension, LazyExtension, build_extension
 
 COPY, BF16_TO_F32, F16_TO_F32 = 0, 1, 2
 _KINDS = {(torch.bfloat16, torch.float32): BF16_TO_F32, (torch.float16, torch.float32): F16_TO_F32}
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "expert_loader.cpp"
 CFLAGS = ["-O3"]
-EXTENSION_NAME = extension_name("moebench_expert_loader", [CSRC], CFLAGS)
+EXTENSION = Extension("moebench_expert_loader", "the native expert loader", (CSRC,), tuple(CFLAGS),
+                      estimate="about 1 min 30 s on a 2-core machine, up to 40 s more under load")
 
 
 def _build():
-    from torch.utils.cpp_extension import load
-
-    if find_ninja() is None:
-        raise RuntimeError("ninja not found (pip install ninja)")
-    return load(name=EXTENSION_NAME, sources=[str(CSRC)], extra_cflags=CFLAGS, verbose=False)
+    return build_extension(EXTENSION)
 
 
 _extension = LazyExtension("the native expert loader", "MOEBENCH_EXPERT_LOADER", strict="native", off="python",
