@@ -12,12 +12,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from moebench.random_models import make_random_qwen3_moe
 
 DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
@@ -35,6 +33,8 @@ def _time_engine(engine, prompts, new_tokens: int) -> float:
 
 
 def _time_hf(model, prompts, new_tokens: int) -> float:
+    import torch
+
     ids = torch.tensor(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -56,7 +56,10 @@ def bench_engine_command(
     hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
 ):
     """Measure decode tok/s of the engine and of transformers' generate() on one checkpoint."""
+    import torch  # here, not at the top: `moebench --help` imports this module
     from transformers import AutoModelForCausalLM
+
+    from moebench.random_models import make_random_qwen3_moe
 
     from moebench.engine import Engine, RuntimeConfig, load_checkpoint
     from moebench.engine.memory import to_huge_pages

@@ -1,10 +1,16 @@
-"""The `moebench` command line: one typer app; each command lives in the module that owns it."""
+"""The `moebench` command line: one typer app; each command lives in the module that owns it.
+
+`moebench --help`, every subcommand's `--help` and every usage error must answer at once, even
+on a loaded machine, so a command module imports nothing heavy (torch, transformers, pandas,
+matplotlib) at its top: those imports go inside the functions that need them.
+tests/test_cli_help.py holds every registered command to that.
+"""
 
 import sys
 
 import typer
 
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, describe_os_error
 
 app = typer.Typer(
     name="moebench",
@@ -19,8 +25,9 @@ def _root() -> None:
     """moebench: decode tokens/s, accuracy and a statistical verdict for MoE inference optimizations."""
 
 
-# Command registrations (one line per command, each module owns its command function).
-from moebench import gate, kernels_cli, report, train  # noqa: E402
+# Command registrations: one line per command. Importing a command's module must stay light (no
+# torch/transformers/pandas at its top): all of them are imported to answer `moebench --help`.
+from moebench import gate, kernels_cli, report, train_cli  # noqa: E402
 from moebench.bench_engine import bench_engine_command  # noqa: E402
 from moebench.run import run_command  # noqa: E402
 from moebench import export_gguf  # noqa: E402
@@ -30,16 +37,60 @@ app.command("run")(run_command)
 app.command("report")(report.report_command)
 app.command("gate")(gate.gate_command)
 app.command("bench-engine")(bench_engine_command)
-app.command("train-bundled")(train.train_bundled_command)
+app.command("train-bundled")(train_cli.train_bundled_command)
 app.add_typer(kernels_cli.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
 app.add_typer(export_gguf.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
 app.add_typer(llamacpp.cli, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")
 
 
+def _show_flags_plainly(command) -> None:
+    """typer 0.29 prints a `<bool>` type beside every flag (even --help); a flag takes no value,
+    so its type column stays empty, as click and earlier typer versions show it."""
+    for param in getattr(command, "params", []):
+        if getattr(param, "is_flag", False) and not getattr(param, "count", False):
+            param.metavar = ""
+    make_help_option = command.get_help_option
+
+    def help_option(ctx):
+        option = make_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = help_option
+    for sub in (getattr(command, "commands", None) or {}).values():
+        _show_flags_plainly(sub)
+
+
+def build_command():
+    """The click command tree of the app, as `main` runs it."""
+    command = typer.main.get_command(app)
+    _show_flags_plainly(command)
+    return command
+
+
+def _fail(message: str) -> None:
+    print(f"moebench: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
-    """Console entry point: user errors become one line on stderr and exit code 2."""
+    """Console entry point: usage, input and I/O errors become one line on stderr and exit code 2
+    (exit 1 keeps its meaning: a failed gate or activation check); Ctrl-C exits 130."""
+    command = build_command()
     try:
-        app()
+        code = command.main(args=sys.argv[1:], prog_name="moebench", standalone_mode=False)
+    except typer.TyperException as e:  # click's errors, as typer vendors them: bad usage
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `moebench`: its help, already printed
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _fail(f"{e.format_message()}{hint}")
+    except typer.Abort:
+        print("moebench: aborted", file=sys.stderr)
+        sys.exit(130)
     except MoebenchError as e:
-        print(f"moebench: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(str(e))
+    except OSError as e:  # an unreadable input or unwritable output found while working
+        _fail(describe_os_error(e))
+    sys.exit(code if isinstance(code, int) else 0)

@@ -33,11 +33,72 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    """One complete line per call, flushed, so an interrupted run keeps every finished record."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One complete line per call, flushed, so an interrupted run keeps every finished record.
+
+    All or nothing: when the write fails (a full disk, a file-size limit), the file is cut back
+    to where it was, so no half record is left for the next append to glue onto."""
+    data = (json.dumps(record) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # the original error says more than this one
+            raise
+    finally:
+        os.close(fd)
+
+
+def drop_torn_tail(path: Path) -> int:
+    """Cut an append-only JSONL file back to its last complete record; returns the bytes dropped.
+
+    A crash or power loss during an append can leave the file ending in part of a line (or in
+    zeros). That line belongs to work that never finished, so it is dropped; a malformed line
+    anywhere before the last stays an error for read_jsonl."""
+    path = Path(path)
+    with open(path, "r+b") as f:
+        data = f.read()
+        body = data.rstrip(b"\n")
+        start = body.rfind(b"\n") + 1
+        last = body[start:]
+        if not last.strip():
+            return 0
+        try:
+            json.loads(last)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            f.truncate(start)
+            f.flush()
+            os.fsync(f.fileno())
+            return len(data) - start
+        if not data.endswith(b"\n"):  # the record arrived whole, its newline did not
+            f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return 0
+
+
+def ensure_writable_dir(path: Path, what: str) -> Path:
+    """Create `path` if needed and prove that a file can be written in it, before any work starts:
+    a read-only filesystem, a regular file in the way or a missing permission is then one clear
+    line, not a traceback after the model has loaded."""
+    from moebench.errors import MoebenchError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".moebench-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise MoebenchError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 def read_jsonl(path: Path) -> list[dict]:

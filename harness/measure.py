@@ -189,8 +189,10 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         console.print(f"[red]error[/red]: {died}; samples so far are kept in {run_dir}")
         raise typer.Exit(1)
     except KeyboardInterrupt:
-        kept = len(read_jsonl(samples_file)) if samples_file.exists() else 0
-        console.print(f"interrupted: {kept} samples kept in {run_dir}; continue with: moebench run --resume {run_dir}")
+        from moebench.run import kept_trials_note  # only whole trials count: resume redoes the rest
+
+        console.print(f"interrupted: {kept_trials_note(run_dir, repeats * len(configs))}; "
+                      f"continue with: moebench run --resume {run_dir}")
         raise
     finally:
         backend.close()  # servers it started stop here, on every way out
@@ -231,5 +233,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
             f"{100 * vs['identical_outputs']:.1f}%" if vs.get("identical_outputs") is not None else "-",
             "ok" if c["activation"]["ok"] else "FAILED",
         )
-    Console().print(table)
+    out = Console()
+    if not out.is_terminal:  # CI logs and pipes: the whole table, not one cut at 80 columns
+        out.width = max(out.width, out.measure(table).maximum)
+    out.print(table)
     console.print(f"results: {run_dir}")

@@ -37,6 +37,25 @@ def _names(summary: dict) -> list[str]:
     return [c["name"] for c in summary["configs"]]
 
 
+def merge_identical(series: dict[str, np.ndarray]) -> list[tuple[list[str], np.ndarray]]:
+    """Configs whose curves are identical, grouped: drawn as one line with all their names, since
+    identical lines would hide one another and leave legend entries with nothing visible."""
+    groups: list[tuple[list[str], np.ndarray]] = []
+    for name, values in series.items():
+        values = np.asarray(values, dtype=float)
+        for names, ref in groups:
+            if ref.shape == values.shape and np.array_equal(ref, values, equal_nan=True):
+                names.append(name)
+                break
+        else:
+            groups.append(([name], values))
+    return groups
+
+
+def _group_label(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else " = ".join(names) + " (identical)"
+
+
 def _bar_with_ci(ax, labels: list[str], values: list[float | None], cis: list[list[float] | None],
                  color: str) -> None:
     x = np.arange(len(labels))
@@ -146,8 +165,9 @@ def output_lengths(summary: dict, samples: pd.DataFrame, path: Path) -> Path | N
     fig, ax = _figure()
     allv = np.concatenate([v.to_numpy() for v in lengths.values()])
     bins = np.histogram_bin_edges(allv, bins=min(40, max(5, len(np.unique(allv)))))
-    for n, v in lengths.items():
-        ax.hist(v, bins=bins, histtype="step", linewidth=1.5, label=n)
+    counts = {n: np.histogram(v, bins=bins)[0] for n, v in lengths.items()}
+    for names, hist in merge_identical(counts):
+        ax.stairs(hist, bins, linewidth=1.5, label=_group_label(names))
     ax.set_xlabel("output tokens per answer")
     ax.set_ylabel("answers")
     ax.set_title("Output length")
@@ -176,19 +196,18 @@ def expert_load(summary: dict, path: Path) -> Path | None:
 def distinct_experts(summary: dict, steps: pd.DataFrame | None, path: Path) -> Path | None:
     if steps is None or "distinct_experts" not in steps:
         return None
-    fig, ax = _figure()
-    drawn = False
+    series = {}
     for name in _names(summary):
         s = steps[(steps["config"] == name) & (steps["trial"] == steps["trial"].min())]
         if "phase" in s:
             s = s[s["phase"] != "prefill"]
-        if s.empty:
-            continue
-        ax.plot(np.arange(len(s)), pd.to_numeric(s["distinct_experts"], errors="coerce"), label=name,
-                linewidth=1)
-        drawn = True
-    if not drawn:
+        if not s.empty:
+            series[name] = pd.to_numeric(s["distinct_experts"], errors="coerce").to_numpy()
+    if not series:
         return None
+    fig, ax = _figure()
+    for names, values in merge_identical(series):
+        ax.plot(np.arange(len(values)), values, label=_group_label(names), linewidth=1)
     ax.set_xlabel("decode step (first trial)")
     ax.set_ylabel("distinct experts per layer (mean)")
     ax.set_title("Distinct experts touched per decode step")

@@ -15,11 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from moebench import plots
-from moebench.fileio import atomic_write_text
-from moebench.summary import config_entry, format_p, load_run, load_summary, verdict
+from moebench.fileio import atomic_write_text, ensure_writable_dir
 
 MAX_EXAMPLES = 8
 MAX_EXAMPLE_CHARS = 2000
@@ -67,6 +64,13 @@ class Doc:
 
 
 # ---------------------------------------------------------------- formatting
+
+def format_p(p: float | None) -> str:
+    # moebench.summary imports pandas and scipy; `moebench report --help` must not wait for them
+    from moebench.summary import format_p as summary_format_p
+
+    return summary_format_p(p)
+
 
 def _f(v: float | None, fmt: str = "{:.2f}", none: str = "n/a") -> str:
     return none if v is None else fmt.format(v)
@@ -137,29 +141,37 @@ def _active(c: dict) -> str:
     return "unknown" if ok is None else ("yes" if ok else "NO")
 
 
-def _per_config(summary: dict) -> Table:
-    rows = []
+def _switches(c: dict) -> str:
+    return f"{c['kernel']} / {c['scheduler']} / {c['prefetch']}"
+
+
+def _per_config(summary: dict) -> list[Table]:
+    """Speed and accuracy, then latency and errors: two tables narrow enough for a page."""
+    speed, latency = [], []
     for c in summary["configs"]:
         vb = c.get("vs_baseline") or {}
         sp = vb.get("speedup") or {}
         d = c["decode_tokens_per_s"]
-        rows.append([
-            c["name"], str(c["kernel"]), str(c["scheduler"]), str(c["prefetch"]), str(c["trials"]),
-            _f(d["median"]) + _ci(d["ci95"]),
+        speed.append([
+            c["name"], str(c["trials"]), _f(d["median"]) + _ci(d["ci95"]),
             "1 (baseline)" if not vb else _f(sp.get("median"), "{:.2f}x") + _ci(sp.get("ci95")),
             _acc(c) + _ci(c["accuracy"]["ci95"], "{:.1f}", 100),
             "" if not vb else _f(vb.get("accuracy_delta"), "{:+.2f}") + _ci(vb.get("accuracy_delta_ci95")),
             "" if not vb else format_p(vb.get("mcnemar_p")),
             "" if not vb else _f(vb.get("identical_outputs"), "{:.1%}"),
-            _f(_lat(c, "ttft_s", "mean"), "{:.3f}"),
-            f"{_f(_lat(c, 'latency_s', 'p50'), '{:.2f}')} / {_f(_lat(c, 'latency_s', 'p95'), '{:.2f}')}",
-            f"{c['errors']} / {c['truncations']}",
             _active(c),
         ])
-    return Table(["config", "kernel", "scheduler", "prefetch", "trials", "decode tok/s [95% CI]",
-                  "speedup [95% CI]", "accuracy [95% CI %]", "Δ accuracy points [95% CI]", "McNemar p",
-                  "identical outputs", "mean TTFT s", "latency P50 / P95 s", "errors / truncations",
-                  "active"], rows)
+        latency.append([
+            c["name"], _switches(c), _f(_lat(c, "ttft_s", "mean"), "{:.3f}"), _f(_lat(c, "tpot_s", "mean"), "{:.4f}"),
+            f"{_f(_lat(c, 'latency_s', 'p50'), '{:.2f}')} / {_f(_lat(c, 'latency_s', 'p95'), '{:.2f}')}",
+            f"{_f(c['output_tokens']['p50'], '{:.0f}')} / {_f(c['output_tokens']['p95'], '{:.0f}')}",
+            f"{c['errors']} / {c['truncations']}",
+        ])
+    return [Table(["config", "trials", "decode tok/s [95% CI]",
+                   "speedup [95% CI]", "accuracy [95% CI %]", "Δ accuracy points [95% CI]", "McNemar p",
+                   "identical outputs", "active"], speed),
+            Table(["config", "kernel / scheduler / prefetch", "mean TTFT s", "mean TPOT s", "latency P50 / P95 s", "output tokens P50 / P95",
+                   "errors / truncations"], latency)]
 
 
 def _mcnemar_table(summary: dict) -> Table:
@@ -177,79 +189,136 @@ def _mcnemar_table(summary: dict) -> Table:
                   "both wrong", "McNemar exact p", "Δ points [95% CI]"], rows)
 
 
-def _engine_table(summary: dict) -> Table:
-    rows = []
+def _engine_tables(summary: dict) -> list[Table]:
+    batching, store = [], []
     for c in summary["configs"]:
         b, s, r = c["batching"], c["expert_store"], c["roofline"]
-        rows.append([
+        batching.append([
             c["name"], _f(b["mean_batch_size"], "{:.1f}"), _f(b["mean_distinct_experts"], "{:.1f}"),
             _f(b["mean_expert_imbalance"], "{:.2f}"), _f(b["p95_queue_wait_s"], "{:.3f}"),
-            _f(s["hit_rate"], "{:.1%}"), _f(s["prefetch_precision"], "{:.1%}"), _f(s["stall_s"], "{:.3f}"),
+        ])
+        store.append([
+            c["name"], _f(s["hit_rate"], "{:.1%}"), _f(s["prefetch_precision"], "{:.1%}"), _f(s["stall_s"], "{:.3f}"),
             _f(s["stall_share"], "{:.1%}"), _f(None if r["bytes_per_decode_step"] is None
                                              else r["bytes_per_decode_step"] / 1e6, "{:.1f}"),
             _f(r["limit_tokens_per_s"], "{:.1f}"), _f(r["achieved_fraction"], "{:.1%}"),
         ])
-    return Table(["config", "batch size", "distinct experts", "expert imbalance", "P95 queue wait s",
-                  "store hit rate", "prefetch precision", "stall s / trial", "stall share",
-                  "MB read / decode step", "roofline tok/s", "achieved"], rows)
+    return [Table(["config", "batch size", "distinct experts", "expert imbalance", "P95 queue wait s"], batching),
+            Table(["config", "store hit rate", "prefetch precision", "stall s / trial", "stall share",
+                   "MB read / decode step", "roofline tok/s", "achieved"], store)]
+
+
+def _evidence_value(v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_evidence_value(x) for x in v) if v else "none"
+    if isinstance(v, dict):
+        return "; ".join(f"{k} {_evidence_value(x)}" for k, x in v.items()) if v else "none"
+    return str(v)
+
+
+def _evidence_rows(evidence, prefix: str = "") -> list[list[str]]:
+    """Nested counters, one row each: ("prefetch", "hit rate", "0.957")."""
+    rows = []
+    for key, value in (evidence or {}).items():
+        if isinstance(value, dict) and not prefix:
+            rows += _evidence_rows(value, str(key))
+        else:
+            rows.append([prefix, str(key).replace("_", " "), _evidence_value(value)])
+    return rows
 
 
 def _activation_blocks(summary: dict) -> list:
-    rows = []
+    blocks = [Heading("Activation evidence"),
+              Para("Each switched-on optimization must leave evidence that it ran (trial 0's counters "
+                   "below). A configuration marked NO did not measure its optimization.")]
+    blocks.append(Table(["config", "active", "activation errors"],
+                        [[c["name"], _active(c), "; ".join(c["activation"].get("errors") or []) or "none"]
+                         for c in summary["configs"]]))
     for c in summary["configs"]:
-        a = c["activation"]
-        ev = json.dumps(a.get("evidence"), sort_keys=True) if a.get("evidence") is not None else "n/a"
-        rows.append([c["name"], _active(c), ev, "; ".join(a.get("errors") or []) or "none"])
-    return [Heading("Activation evidence"),
-            Para("Each switched-on optimization must leave evidence that it ran (trial 0's counters shown). "
-                 "A configuration marked NO did not measure its optimization."),
-            Table(["config", "active", "evidence (trial 0)", "activation errors"], rows)]
+        evidence = c["activation"].get("evidence")
+        blocks.append(Heading(f"{c['name']}: evidence (trial 0)", 3))
+        if not evidence:
+            blocks.append(Para("No evidence was recorded for this configuration."))
+        else:
+            blocks.append(Table(["part", "counter", "value"], _evidence_rows(evidence)))
+    return blocks
+
+
+def _speed_words(opt: dict, sp: dict) -> list[str]:
+    ci, name, trials = sp.get("ci95"), opt["name"], opt["trials"]
+    if sp.get("median") is None:
+        return ["This run has no decode timing, so it says nothing about speed."]
+    if ci is None:
+        return [f"The measured speedup of {name} over the baseline is {sp['median']:.2f}x, but with "
+                f"{trials} trial{'s' if trials != 1 else ''} there is no confidence interval, so the speed "
+                "difference is not established."]
+    interval = f"95% CI {ci[0]:.2f}-{ci[1]:.2f}x"
+    if ci[0] > 1:
+        words = [f"{name} decodes faster than the baseline: {sp['median']:.2f}x ({interval}), an interval "
+                 "that lies entirely above 1.00x (no change)."]
+    elif ci[1] < 1:
+        words = [f"{name} decodes slower than the baseline: {sp['median']:.2f}x ({interval}), an interval "
+                 "that lies entirely below 1.00x (no change)."]
+    else:
+        words = [f"A speed difference is not established: {sp['median']:.2f}x, and its {interval} "
+                 "includes 1.00x (no change)."]
+    if trials < 3:
+        words.append(f"With only {trials} trials the interval is wide and uncertain itself; more trials "
+                     "(--repeats) narrow it.")
+    return words
+
+
+def _accuracy_words(opt: dict, vb: dict) -> list[str]:
+    p, n = vb.get("mcnemar_p"), vb.get("paired_items") or 0
+    if p is None or not n:
+        return []
+    d = vb.get("discordant") or {}
+    only_base, only_cfg = d.get("baseline_only", 0), d.get("config_only", 0)
+    dci = vb.get("accuracy_delta_ci95")
+    words = []
+    if only_base == 0 and only_cfg == 0:
+        words.append(f"All {n} paired items were scored the same as the baseline (no item right for one and "
+                     f"wrong for the other; McNemar exact p = {format_p(p)}), so accuracy on these items "
+                     "did not change.")
+    elif p >= 0.05:
+        span = (f"the 95% interval of the difference, {dci[0]:+.2f} to {dci[1]:+.2f} points, leaves room "
+                "for a change of that size" if dci else "no interval of the difference is available")
+        words.append(f"No accuracy change was detected on {n} paired items ({only_base} right only for the "
+                     f"baseline, {only_cfg} only for {opt['name']}; McNemar exact p = {format_p(p)}). That "
+                     f"is not proof of equal accuracy: {span}.")
+    else:
+        delta = vb.get("accuracy_delta")
+        direction = "lower" if (delta or 0) < 0 else "higher"
+        span = f", 95% CI {dci[0]:+.2f} to {dci[1]:+.2f}" if dci else ""
+        words.append(f"Accuracy changed: {opt['name']} scores {abs(delta or 0):.2f} points {direction}{span} "
+                     f"({only_base} right only for the baseline, {only_cfg} only for {opt['name']}; McNemar "
+                     f"exact p = {format_p(p)}). This configuration alters answers.")
+    same = vb.get("identical_outputs")
+    if same == 1:
+        words.append("Every output matched the baseline's character for character: no answer changed on "
+                     "these items.")
+    elif same is not None:
+        differ = vb.get("differing_outputs")
+        words.append(f"{differ} of {n} outputs differ from the baseline's text ({1 - same:.1%}); the examples "
+                     "below show where they diverge.")
+    return words
 
 
 def _plain_words(summary: dict, opt: dict) -> str:
     """What the run proves and what it does not, for the headline config."""
     vb = opt.get("vs_baseline") or {}
-    sp = vb.get("speedup") or {}
-    parts = []
-    ci = sp.get("ci95")
-    trials = opt["trials"]
-    if sp.get("median") is None:
-        parts.append("This run has no decode timing, so it says nothing about speed.")
-    elif ci is None:
-        parts.append(f"The measured speedup of {opt['name']} over the baseline is {sp['median']:.2f}x, "
-                     "but with too few trials and no step data there is no interval, so it is not proven.")
-    elif ci[0] > 1:
-        parts.append(f"{opt['name']} decodes faster than the baseline: {sp['median']:.2f}x, and the 95% "
-                     f"interval ({ci[0]:.2f}-{ci[1]:.2f}x, {sp.get('ci_method')}) excludes no change.")
-    elif ci[1] < 1:
-        parts.append(f"{opt['name']} is slower than the baseline ({sp['median']:.2f}x, 95% CI "
-                     f"{ci[0]:.2f}-{ci[1]:.2f}x).")
-    else:
-        parts.append(f"A speed difference is not established: {sp['median']:.2f}x with a 95% interval "
-                     f"({ci[0]:.2f}-{ci[1]:.2f}x) that includes no change.")
-    if trials < 3 and ci is not None:
-        parts.append("With fewer than 3 trials the interval comes from resampling decode steps, which "
-                     "does not capture trial-to-trial drift of the machine.")
+    parts = _speed_words(opt, vb.get("speedup") or {})
     parts.append("Absolute tokens/s depend on this machine and its load; the ratio from interleaved "
                  "trials is the measured effect.")
-    p, n = vb.get("mcnemar_p"), vb.get("paired_items") or 0
-    if p is not None and n:
-        dci = vb.get("accuracy_delta_ci95")
-        span = f"{dci[0]:+.2f} to {dci[1]:+.2f} points" if dci else "unknown"
-        if p >= 0.05:
-            parts.append(f"No accuracy change was detected on {n} paired items (McNemar exact p = "
-                         f"{format_p(p)}). That is not proof of equal accuracy: the 95% interval of the "
-                         f"difference runs from {span}, so a change inside it cannot be ruled out.")
-        else:
-            parts.append(f"Accuracy changed ({vb['accuracy_delta']:+.2f} points, 95% CI {span}, McNemar "
-                         f"exact p = {format_p(p)}): the optimization alters answers.")
-        same = vb.get("identical_outputs")
-        if same == 1:
-            parts.append("Every output matched the baseline's character for character, which is direct "
-                         "evidence that the answers did not change on these items.")
-        elif same is not None:
-            parts.append(f"{vb['differing_outputs']} of {n} outputs differ from the baseline's text "
-                         f"({1 - same:.1%}); examples below show where they diverge.")
+    parts += _accuracy_words(opt, vb)
     inactive = [c["name"] for c in summary["configs"] if c["activation"].get("ok") is False]
     unknown = [c["name"] for c in summary["configs"] if c["activation"].get("ok") is None]
     if inactive:
@@ -286,6 +355,8 @@ def _examples(summary: dict, outputs: dict[tuple[str, str], str]) -> list:
 
 
 def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Doc:
+    from moebench.summary import config_entry, verdict
+
     base = config_entry(summary, summary["baseline"])
     opt = config_entry(summary, summary["optimized"]) if summary.get("optimized") else None
     model, suite, machine = summary.get("model") or {}, summary.get("suite") or {}, summary.get("machine") or {}
@@ -301,10 +372,10 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
     else:
         doc.add(Para(verdict(summary), strong=True), _headline(summary, base, opt),
                 Heading("What this run proves", 3), Para(_plain_words(summary, opt)))
-    doc.add(Heading("All configurations"), _per_config(summary))
+    doc.add(Heading("All configurations"), *_per_config(summary))
     if len(summary["configs"]) > 1:
         doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary))
-    doc.add(Heading("Batching, expert store and roofline"), _engine_table(summary))
+    doc.add(Heading("Batching, expert store and roofline"), *_engine_tables(summary))
     doc.add(*_activation_blocks(summary))
     if images:
         doc.add(Heading("Plots"), *[Image(caption, path) for caption, path in images])
@@ -316,9 +387,17 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
 
 # ---------------------------------------------------------------- renderers
 
+_MD_PUNCT = re.compile(r"\\(?=[!-/:-@\[-`{-~])")  # a backslash that would escape what follows
+_MD_TAG = re.compile(r"<(?=[A-Za-z/!?])")  # only '<' that starts a tag or comment is markup
+_MD_ENTITY = re.compile(r"&(?=#?\w+;)")
+
+
 def _md_text(s: str) -> str:
-    # Markdown renders inline HTML, so escape it; '|' would split table cells.
-    return html.escape(s, quote=False).replace("|", "\\|").replace("\n", " ")
+    """Text for a Markdown line: markup in it shows literally (a backslash escape, so the raw file
+    stays readable: '< 0.0001' stays as it is); '|' would split table cells."""
+    s = _MD_PUNCT.sub(r"\\\\", s)
+    s = _MD_ENTITY.sub(r"\\&", _MD_TAG.sub(r"\\<", s))
+    return s.replace("|", "\\|").replace("\n", " ")
 
 
 def render_markdown(doc: Doc) -> str:
@@ -343,10 +422,13 @@ def render_markdown(doc: Doc) -> str:
     return "\n".join(out)
 
 
+# Every table fits the page at 1400 px and at 800 px (tests/test_report_layout.py checks it in
+# Chromium); the scrolling wrapper only keeps the page itself from overflowing on a narrower one.
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:4px 8px;
-text-align:left;vertical-align:top}th{background:#f0f0f0}pre{background:#f7f7f7;padding:0.8em;
-white-space:pre-wrap;word-break:break-word;border:1px solid #ddd}img{max-width:100%}
+.table{overflow-x:auto;max-width:100%}
+table{border-collapse:collapse;margin:1em 0;font-size:0.85em}th,td{border:1px solid #ccc;padding:3px 6px;
+text-align:left;vertical-align:top;overflow-wrap:break-word}th{background:#f0f0f0}pre{background:#f7f7f7;padding:0.8em;
+white-space:pre-wrap;word-break:break-word;border:1px solid #ddd}img{max-width:100%;height:auto}
 figure{margin:1.5em 0}figcaption{font-size:0.9em;color:#555}.verdict{font-size:1.1em}"""
 
 
@@ -360,9 +442,10 @@ def render_html(doc: Doc) -> str:
         elif isinstance(b, Para):
             out.append(f'<p class="verdict"><strong>{e(b.text)}</strong></p>' if b.strong else f"<p>{e(b.text)}</p>")
         elif isinstance(b, Table):
-            out.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr></thead><tbody>")
+            out.append('<div class="table"><table><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in b.header)
+                       + "</tr></thead><tbody>")
             out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in b.rows]
-            out.append("</tbody></table>")
+            out.append("</tbody></table></div>")
         elif isinstance(b, Image):
             data = base64.b64encode(b.path.read_bytes()).decode("ascii")
             out.append(f'<figure><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
@@ -375,13 +458,31 @@ def render_html(doc: Doc) -> str:
 
 # ---------------------------------------------------------------- entry points
 
+def _run_id(run_dir: Path) -> str:
+    """The run's id as its manifest (or summary) names it; else the folder's name."""
+    for name in ("manifest.json", "summary.json"):
+        try:
+            return str(json.loads((run_dir / name).read_text())["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return run_dir.resolve().name
+
+
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write report.md, report.html and the plots; returns the report directory."""
+    from moebench.errors import MoebenchError
+
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MoebenchError(f"{run_dir}: no such results directory")
+    # the output folder is checked before the run is read and the plots are drawn
+    out_dir = ensure_writable_dir(out_dir if out_dir is not None else Path("reports") / _run_id(run_dir), "--out")
+
+    from moebench import plots
+    from moebench.summary import load_run, load_summary
+
     run = load_run(run_dir)
     summary = load_summary(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else Path("reports") / str(summary["run_id"])
-    out_dir.mkdir(parents=True, exist_ok=True)
     images = plots.all_plots(summary, run.samples, run.steps, out_dir)
     doc = build_document(summary, run.samples, images)
     atomic_write_text(out_dir / "report.md", render_markdown(doc))
@@ -394,6 +495,8 @@ def report_command(
     out: Path | None = typer.Option(None, "--out", help="Report directory (default: reports/<run-id>/)."),
 ) -> None:
     """Write a Markdown and a self-contained HTML report with plots for one run."""
+    from rich.console import Console
+
     out_dir = write_report(run_dir, out)
     n_png = len(list(out_dir.glob("*.png")))
     Console().print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.html'} and {n_png} plots")

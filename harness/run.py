@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
+import secrets
 import shlex
 import sys
 from dataclasses import replace
@@ -20,8 +22,8 @@ import typer
 
 from moebench.ablation import SWITCHES, ConfigPoint, ablation_matrix, negative_control, point
 from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
-from moebench.errors import MoebenchError
-from moebench.fileio import atomic_write_json
+from moebench.errors import MoebenchError, describe_os_error
+from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
 
 BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
@@ -112,7 +114,7 @@ def run_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (measured here: with 2 threads on a busy 2-core machine, OpenMP hand-offs made small ops 30-60x slower and faked large speedups); 0 = torch's own choice."),
     seed: int = typer.Option(0, "--seed", help="Seed recorded in the manifest (decoding is greedy)."),
     out: Path = typer.Option(Path("results"), "--out", help="Parent directory of the run directory."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: timestamp and model)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: time to the millisecond, a random suffix, model and suite). A name that exists is refused; continue that run with --resume."),
     negative_control_: Optional[str] = typer.Option(None, "--negative-control", help="Add an approximate config that SHOULD change answers (int4, int3 or int2 round-to-nearest experts), proving the accuracy check has power."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue an interrupted run directory with its own manifest."),
     engine: str = typer.Option("bundled", "--engine", help="bundled (the in-process runtime) or openai (an OpenAI-compatible server over HTTP).", rich_help_panel="Serving engines"),
@@ -133,7 +135,6 @@ def run_command(
 
     if resume is not None:
         manifest = _read_manifest(resume)
-        run_dir = resume
         args = manifest["args"]
     else:
         args = dict(
@@ -148,34 +149,140 @@ def run_command(
             concurrency=concurrency, temperature=temperature, top_p=top_p, top_k=top_k,
             request_timeout=request_timeout,
         )
-        run_dir = None
     if args["repeats"] < 1:
         raise MoebenchError(f"--repeats must be >= 1, got {args['repeats']}")
     if args["factorial"] and not args["ablate"]:
         raise MoebenchError("--factorial needs --ablate")
+    if run_id is not None and (not run_id or run_id in (".", "..") or "/" in run_id or os.sep in run_id):
+        raise MoebenchError(f"--run-id '{run_id}': expected a plain folder name")
 
-    if args.get("engine", "bundled") != "bundled":
-        return _run_over_http(args, out, run_id, run_dir, manifest if run_dir is not None else None)
-    configs = _configs(args)
-    threads = args.get("threads")
-    if threads is None and args["device"] == "cpu":
-        threads = 1
+    http = args.get("engine", "bundled") != "bundled"
+    if not http:  # fail on a bad switch before claiming a folder or loading anything
+        configs = _configs(args)
+        threads = args.get("threads")
+        if threads is None and args["device"] == "cpu":
+            threads = 1
+        if threads is not None and threads < 0:
+            raise MoebenchError(f"--threads must be >= 0, got {threads}")
+        budget = args["expert_budget"]
+        if budget is None:
+            budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
+        base_runtime = RuntimeConfig(
+            device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
+            admission=args["admission"], expert_budget=_parse_budget(budget), offload_tier=args["offload_tier"],
+        )
+        for cfg in configs:
+            _runtime_for(base_runtime, cfg)
+
+    # The run's folder is claimed before any work, so an unwritable --out or a taken --run-id is
+    # one line now, not a traceback after the model loaded, and two runs never share a folder.
+    if resume is not None:
+        run_dir, claimed = Path(resume), False
+        ensure_writable_dir(run_dir, "--resume")
+    else:
+        run_dir, claimed = _claim_run_dir(Path(out), run_id, args), True
+        manifest = None
+    lock = _lock_run(run_dir)
+    try:
+        if resume is not None:
+            _drop_torn_tails(run_dir)
+        if http:
+            _run_over_http(args, run_dir, manifest)
+        else:
+            _run_bundled(args, run_dir, manifest, configs, threads, base_runtime)
+    except BaseException as e:
+        started = (run_dir / "manifest.json").exists()
+        if claimed and not started:
+            try:
+                run_dir.rmdir()  # nothing was measured: leave no empty folder behind
+            except OSError:
+                pass
+        if isinstance(e, OSError) and started:  # e.g. the disk filled up: what is kept, how to go on
+            raise MoebenchError(f"{describe_os_error(e)}; {kept_trials_note(run_dir, _total_trials(run_dir))}; "
+                                f"then continue with: moebench run --resume {shlex.quote(str(run_dir))}") from None
+        raise
+    finally:
+        os.close(lock)
+    _print_next_steps(run_dir)
+
+
+def _claim_run_dir(out: Path, run_id: str | None, args: dict) -> Path:
+    """Create the run's folder exclusively (mkdir fails if it exists): two runs started at the same
+    moment get two folders, and a --run-id that exists is refused instead of merged into."""
+    ensure_writable_dir(out, "--out")
+    for _ in range(8):
+        run_dir = out / (run_id or _default_run_id(args))
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            if run_id is not None:
+                raise MoebenchError(f"{run_dir}: already exists (choose another --run-id, or continue that run "
+                                    f"with --resume {shlex.quote(str(run_dir))})") from None
+        except OSError as e:
+            raise MoebenchError(f"--out {out}: cannot create {run_dir.name} there ({e.strerror or e})") from None
+    raise MoebenchError(f"--out {out}: could not find a free run id")
+
+
+def _lock_run(run_dir: Path) -> int:
+    """Hold an exclusive lock on the run's folder while writing it; the OS releases it when the
+    process ends in any way, kill -9 included. A second writer (two --resume at once) is refused."""
+    import fcntl
+
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MoebenchError(f"{run_dir}: another moebench process is writing this run now; "
+                            "wait for it to finish or stop it first") from None
+    return fd
+
+
+def _drop_torn_tails(run_dir: Path) -> None:
+    for name in ("trials.jsonl", "samples.jsonl"):
+        f = run_dir / name
+        if f.exists():
+            dropped = drop_torn_tail(f)
+            if dropped:
+                print(f"moebench: warning: {f}: dropped a torn last line ({dropped} bytes) left by an "
+                      "interrupted write; its trial is redone", file=sys.stderr)
+
+
+def kept_trials_note(run_dir: Path, total: int | None = None) -> str:
+    """How much of an interrupted run is kept: only complete trials count (resume redoes the rest)."""
+    try:
+        done = {(r["config"], r["trial"]) for r in read_jsonl(run_dir / "trials.jsonl")} \
+            if (run_dir / "trials.jsonl").exists() else set()
+        partial = [r for r in read_jsonl(run_dir / "samples.jsonl") if (r["config"], r["trial"]) not in done] \
+            if (run_dir / "samples.jsonl").exists() else []
+    except (MoebenchError, OSError, KeyError):
+        return f"the complete trials so far are kept in {run_dir}"
+    of = f" of {total}" if total else ""
+    note = f"{len(done)}{of} trials complete and kept in {run_dir}"
+    if partial:
+        note += f" (the {len(partial)} samples of the unfinished trial are redone on resume)"
+    return note
+
+
+def _total_trials(run_dir: Path) -> int | None:
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        return int(manifest["repeats"]) * len(manifest["configs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _print_next_steps(run_dir: Path) -> None:
+    where = shlex.quote(str(run_dir))
+    print(f"next: moebench report {where}\n      moebench gate {where}", flush=True)
+
+
+def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime) -> None:
     if threads:
         import torch
 
-        if threads < 0:
-            raise MoebenchError(f"--threads must be >= 0, got {threads}")
         torch.set_num_threads(threads)
-    budget = args["expert_budget"]
-    if budget is None:
-        budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
-    base_runtime = RuntimeConfig(
-        device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
-        admission=args["admission"], expert_budget=_parse_budget(budget), offload_tier=args["offload_tier"],
-    )
-    for cfg in configs:  # fail on a bad switch before loading anything
-        _runtime_for(base_runtime, cfg)
-
     from moebench.suites import load_suite
 
     if args["limit"] is None and args["suite"] == "gsm-synth":
@@ -185,10 +292,7 @@ def run_command(
     model_path = Path(args["model"]) if args["model"] else bundled_model_path()
     ckpt, tokenizer = _load_model(model_path, base_runtime)
 
-    if run_dir is None:
-        run_dir = out / (run_id or _default_run_id(ckpt, suite_obj.name))
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise MoebenchError(f"{run_dir}: already exists (choose another --run-id or use --resume {run_dir})")
+    if manifest is None:
         manifest = _manifest(args, run_dir, ckpt, suite_obj, configs, base_runtime)
         atomic_write_json(run_dir / "manifest.json", manifest)
     from moebench.measure import measure
@@ -196,7 +300,7 @@ def run_command(
     measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, base_runtime, args)
 
 
-def _run_over_http(args: dict, out: Path, run_id: str | None, run_dir: Path | None, manifest: dict | None) -> None:
+def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
     """The same measurement, statistics and files, with an OpenAI-compatible server as the engine."""
     from moebench.engines.http import HttpBackend
     from moebench.engines.openai import ClientOptions
@@ -236,12 +340,6 @@ def _run_over_http(args: dict, out: Path, run_id: str | None, run_dir: Path | No
     options = ClientOptions(concurrency=args["concurrency"], chat=args["chat"], temperature=args["temperature"],
                             top_p=args["top_p"], top_k=args["top_k"], seed=args["seed"],
                             request_timeout_s=args["request_timeout"])
-    if run_dir is None:
-        stem = Path(args["profiles"]).stem if args["profiles"] else "server"
-        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = out / (run_id or f"{stamp}-{stem}-{suite_obj.name}")
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise MoebenchError(f"{run_dir}: already exists (choose another --run-id or use --resume {run_dir})")
     warmup = _requests(suite_obj, suite_obj.items[: max(args["warmup"], 0)], args["max_new_tokens"])
     backend = HttpBackend(options, run_dir, profile_file, args["base_url"], args["served_model"], tokenizer,
                           placeholders, warmup)
@@ -327,9 +425,14 @@ def _load_model(path: Path, runtime):
     return ckpt, load_tokenizer(path)
 
 
-def _default_run_id(ckpt, suite_name: str) -> str:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{ckpt.config.family}-{suite_name}"
+def _default_run_id(args: dict) -> str:
+    """Time to the millisecond plus a random suffix: unique even for runs started together."""
+    now = dt.datetime.now()
+    if args.get("engine", "bundled") != "bundled":
+        what = Path(args["profiles"]).stem if args.get("profiles") else "server"
+    else:
+        what = Path(args["model"]).name if args.get("model") else BUNDLED_MODEL.name
+    return f"{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}-{secrets.token_hex(2)}-{what}-{args['suite']}"
 
 
 def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:

@@ -6,7 +6,7 @@ experts); only the order of work differs: the experts run as one capacity-padded
 matmul instead of a loop.  Parameter names and shapes are transformers' own, so the state
 dict loads straight into ``Qwen3MoeForCausalLM`` for evaluation and export.
 
-Run: ``moebench train-bundled`` (or ``python -m moebench.train``).
+Run: ``moebench train-bundled`` (or ``python -m moebench.train``); the command line is in train_cli.py.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import typer
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
 SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
@@ -605,29 +603,9 @@ def evaluate_bundle(path: Path = BUNDLED_DIR, limit: int | None = None, threads:
             "expert_load_min_over_mean": [round(x, 3) for x in share.tolist()]}
 
 
-def train_bundled_command(
-    out: Annotated[Path, typer.Option(help="Output folder for the checkpoint.")] = BUNDLED_DIR,
-    minutes: Annotated[float, typer.Option(help="Wall-time cap for training (minutes).")] = 45.0,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    steps: Annotated[int, typer.Option(help="Optimizer steps (the time budget may stop training earlier).")] = 3200,
-    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
-    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
-    eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 300,
-    threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest on a shared machine).")] = 1,
-) -> None:
-    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    log_file = Path(out) / "train_log.txt"
-    log_file.write_text("")
-
-    def log(msg):
-        print(msg, flush=True)
-        with log_file.open("a") as f:
-            f.write(msg + "\n")
-
-    train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
-          eval_every=eval_every, threads=threads, log=log)
-
-
 if __name__ == "__main__":
+    import typer
+
+    from moebench.train_cli import train_bundled_command
+
     typer.run(train_bundled_command)
