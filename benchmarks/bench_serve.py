@@ -1,0 +1,132 @@
+"""HTTP overhead of `moebench serve`: the same gsm-synth workload in-process (Engine.generate) and
+through the server (the OpenAI client engine, moebench.engines.openai, streaming at a fixed
+concurrency), rounds interleaved A B A B on one machine, outputs compared item by item.
+
+    python benchmarks/bench_serve.py --items 200 --rounds 3 --kernel fused --scheduler continuous
+
+Figures, per round and as medians:
+  in-process decode tok/s   decode tokens / wall time of decode steps (the run's own definition)
+  in-process output tok/s   output tokens / wall time of generate()
+  HTTP decode tok/s         the client's: tokens after each request's first / time at least one
+                            request was past its first token (moebench.engines.openai)
+  HTTP output tok/s         output tokens / wall time from the first request sent to the last answer
+  server decode tok/s       the server's own step records (evidence endpoint), this round's share
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--items", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--kernel", default="fused")
+    ap.add_argument("--scheduler", default="continuous")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+
+    import httpx
+    import torch
+
+    torch.set_num_threads(1)
+    from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+    from moebench.engine.loader import load_tokenizer
+    from moebench.engines.openai import ClientOptions, OpenAIEngine
+    from moebench.run import bundled_model_path
+    from moebench.serve import ServeProcess
+    from moebench.suites import load_suite
+
+    path = bundled_model_path()
+    suite = load_suite("gsm-synth", limit=a.items)
+    tokenizer = load_tokenizer(path)
+    ckpt = load_checkpoint(path, dtype=torch.float32)
+    runtime = RuntimeConfig(kernel=a.kernel, scheduler=a.scheduler, batch_size=a.batch_size,
+                            max_new_tokens=a.max_new_tokens)
+    requests = [Request(item.id, suite.prompt(item), a.max_new_tokens, tuple(suite.stop)) for item in suite.items]
+    load = os.getloadavg()
+
+    rounds = []
+    server_args = ["--kernel", a.kernel, "--scheduler", a.scheduler, "--batch-size", str(a.batch_size),
+                   "--max-new-tokens", str(a.max_new_tokens)]
+    with ServeProcess(server_args) as server:
+        client = OpenAIEngine(server.url, ClientOptions(concurrency=a.concurrency), served_model="bundled",
+                              tokenizer=tokenizer)
+        Engine(ckpt, tokenizer, runtime).generate(requests[:32])  # warm both sides alike
+        client.generate(requests[:32])
+        for r in range(a.rounds):
+            local = Engine(ckpt, tokenizer, runtime).generate(requests)
+            d_tok, d_s = local.phase_totals("decode_tokens", ("decode", "mixed"))
+            out_tok = sum(len(c.output_ids) for c in local.completions)
+
+            before = httpx.get(server.url + "/v1/moebench/evidence").json()
+            started = time.perf_counter()
+            remote = client.generate(requests)
+            wall = time.perf_counter() - started
+            after = httpx.get(server.url + "/v1/moebench/evidence").json()
+            failed = [c for c in remote.completions if c.error]
+            http_tokens = sum(c.output_tokens for c in remote.completions)
+            same = sum(x.text == y.text for x, y in zip(local.completions, remote.completions))
+            row = {
+                "round": r,
+                "inproc_decode_tok_s": d_tok / d_s,
+                "inproc_output_tok_s": out_tok / local.wall_s,
+                "http_decode_tok_s": remote.decode_tokens / remote.decode_s,
+                "http_output_tok_s": http_tokens / wall,
+                "server_decode_tok_s": (after["decode_tokens"] - before["decode_tokens"])
+                / max(after["decode_s"] - before["decode_s"], 1e-9),
+                # where the server's time went: steps (prefill + decode) against the client's wall
+                "inproc_steps": len(local.steps),
+                "server_steps": after["steps"] - before["steps"],
+                "inproc_wall_s": local.wall_s,
+                "http_wall_s": wall,
+                "server_step_s": (after["decode_s"] + after["prefill_s"]) - (before["decode_s"] + before["prefill_s"]),
+                "identical_outputs": same,
+                "items": len(requests),
+                "failed_requests": len(failed),
+                "output_tokens": [out_tok, http_tokens],
+            }
+            rounds.append(row)
+            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        evidence = httpx.get(server.url + "/v1/moebench/evidence").json()
+
+    def med(key):
+        return statistics.median(row[key] for row in rounds)
+
+    summary = {
+        "workload": f"gsm-synth {a.items} items, max_new_tokens {a.max_new_tokens}, batch {a.batch_size}, "
+                    f"kernel {a.kernel}, scheduler {a.scheduler}, concurrency {a.concurrency}, 1 torch thread",
+        "load_before": load, "load_after": os.getloadavg(),
+        "median": {k: med(k) for k in ("inproc_decode_tok_s", "inproc_output_tok_s", "http_decode_tok_s",
+                                       "http_output_tok_s", "server_decode_tok_s")},
+        "rounds": rounds,
+        "server_activation_errors": evidence["activation_errors"],
+        "server_backends": evidence["backends"],
+        "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    }
+    m = summary["median"]
+    summary["ratios"] = {
+        "http_decode / inproc_decode": m["http_decode_tok_s"] / m["inproc_decode_tok_s"],
+        "http_output / inproc_output": m["http_output_tok_s"] / m["inproc_output_tok_s"],
+        "server_decode / inproc_decode": m["server_decode_tok_s"] / m["inproc_decode_tok_s"],
+    }
+    print(json.dumps({"median": m, "ratios": summary["ratios"], "load": [load, summary["load_after"]]}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if any(row["identical_outputs"] != row["items"] or row["failed_requests"] for row in rounds):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,928 @@
+"""`moebench serve`: the bundled runtime (or any supported checkpoint) behind an OpenAI-compatible
+HTTP API, with the same switches as `moebench run`.
+
+Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
+(both with `stream`, server-sent events ending in `data: [DONE]`, and a last chunk with `usage` when
+`stream_options.include_usage` is set), `GET /v1/moebench/evidence` (the engine's activation
+evidence, switches and backend names) and `GET /metrics` (Prometheus text format).
+
+One engine thread owns the model, the KV cache and the scheduler (an `EngineSession` that stays
+open): torch never runs on the event loop. Requests reach it through a thread-safe inbox and join
+the scheduler between steps, so `--scheduler continuous` admits them into the running batch at the
+next step, while `static` batches what arrived together and starts the next batch when this one
+ends. After each step the engine thread hands every new piece of text to the event loop in one
+`call_soon_threadsafe`, and each response streams its pieces as they come.
+
+Decoding is greedy (the runtime's only mode): a request asking for sampling gets a 400, as does
+anything else the runtime cannot honour. Limits: prompt plus max_tokens within `--max-model-len`,
+at most `--max-queue` requests in the server at once (more get a 429), request bodies up to 4 MiB.
+"""
+
+
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moebench.errors import MoebenchError
+
+MAX_BODY_BYTES = 4 << 20
+
+
+# ----------------------------------------------------------------------------- request errors
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP status plus the OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+def _bad(message: str, code: str = "invalid_parameter") -> ApiError:
+    return ApiError(400, message, code)
+
+
+# ----------------------------------------------------------------------------- streaming text
+
+
+class TextStream:
+    """A sequence's output as text pieces, sent as tokens are made.
+
+    Tokens are detokenized incrementally (a short window of recent tokens, re-decoded until it ends
+    in a whole character), and text that could be the start of a stop string is held back until it
+    is not: a stop string must never reach the client. When the sequence finishes, the engine's own
+    text (cut at the stop string) is what counts; the pieces sent before are a prefix of it."""
+
+    __slots__ = ("tokenizer", "stops", "prefix_offset", "read_offset", "text", "sent")
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` handed out
+
+    def advance(self, ids: list[int]) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        window = decode(ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        end = len(self.text) - self._held_back()
+        if end <= self.sent:
+            return ""
+        piece = self.text[self.sent:end]
+        self.sent = end
+        return piece
+
+    def _held_back(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        text, longest = self.text, 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def finish(self, final_text: str) -> tuple[str, bool]:
+        """The rest of the final text, and whether what was sent is really its prefix."""
+        sent = self.text[:self.sent]
+        ok = final_text.startswith(sent)
+        rest = final_text[self.sent:] if ok else ""
+        self.sent = len(final_text)
+        return rest, ok
+
+
+# ----------------------------------------------------------------------------- the engine thread
+
+
+@dataclass
+class Handle:
+    """One sequence a client waits for. The engine thread fills it; the event loop reads `queue`."""
+
+    request_id: str
+    index: int  # the choice index inside its HTTP request
+    sink: object  # asyncio.Queue of events, shared by the choices of one HTTP request
+    prompt_ids: list[int]
+    max_tokens: int
+    stops: tuple[str, ...]
+    seq: object = None
+    stream: TextStream | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A piece of a choice's output. `finish_reason` set: the choice is done (`tokens`: all it made)."""
+
+    index: int
+    text: str
+    tokens: int
+    token_time_s: float
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+class ServingEngine:
+    """The engine thread and its inbox. Everything the engine owns is touched only by that thread;
+    the event loop sends it callables (`_call`) and receives events (`call_soon_threadsafe`)."""
+
+    def __init__(self, engine, max_model_len: int, max_queue: int, batch_window_s: float, threads: int | None):
+        self.engine = engine
+        self.runtime = engine.runtime
+        self.max_model_len = max_model_len
+        self.max_queue = max_queue
+        self.batch_window_s = batch_window_s
+        self.threads = threads
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.loop = None
+        self.session = None
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self.in_server = 0  # sequences accepted and not finished (the event loop counts them)
+        self._live: dict[int, Handle] = {}  # id(seq) -> handle, engine thread only
+        self._thread = threading.Thread(target=self._main, name="moebench-engine", daemon=True)
+        self._stopping = False
+        # counters for /metrics (written by the engine thread; ints and floats are read whole)
+        self.m_requests = {"ok": 0, "aborted": 0, "rejected": 0}
+        self.m_prompt_tokens = 0
+        self.m_generated_tokens = 0
+        self.m_steps = 0
+        self.m_decode_tokens = 0
+        self.m_decode_s = 0.0
+        self.m_prefill_tokens = 0
+        self.m_prefill_s = 0.0
+        self.m_text_mismatch = 0
+
+    # --- lifecycle (event loop side)
+
+    def start(self, loop) -> None:
+        self.loop = loop
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.inbox.put(None)
+        self._thread.join(timeout=30)
+
+    # --- requests (event loop side)
+
+    def submit(self, handles: list[Handle]) -> None:
+        self.in_server += len(handles)
+        self.inbox.put(("add", handles))
+
+    def abort(self, handles: list[Handle]) -> None:
+        self.inbox.put(("abort", handles))
+
+    async def call(self, fn):
+        """Run `fn()` on the engine thread between steps and return its result."""
+        future = self.loop.create_future()
+
+        def run():
+            try:
+                result = fn()
+            except BaseException as e:  # handed to the awaiting coroutine
+                self.loop.call_soon_threadsafe(_settle, future, None, e)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self.inbox.put(("call", run))
+        return await future
+
+    # --- engine thread
+
+    def _main(self) -> None:
+        try:
+            if self.threads:
+                import torch
+
+                torch.set_num_threads(self.threads)  # per thread under OpenMP: set where torch runs
+            self._warm_up()
+            self.session = self.engine.session(self.max_model_len)
+            self.ready.set()
+            self._loop()
+        except BaseException as e:  # reported on /health and to every waiting client
+            self.failed = e
+            self.ready.set()
+            print(f"moebench serve: engine thread failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if self._live and self.loop is not None:
+                self.loop.call_soon_threadsafe(self._deliver, [(h, None) for h in self._live.values()])
+        finally:
+            if self.session is not None:
+                self.session.close()
+
+    def _warm_up(self) -> None:
+        """One short generation before /health says ready: first-use costs (the CPU kernel's build,
+        lazy imports, allocator growth) must not land on the first client."""
+        from moebench.engine import Request
+
+        started = time.perf_counter()
+        eos = set(self.engine.eos_ids)
+        ids = [t for t in range(min(self.engine.cfg.vocab_size, 64)) if t not in eos][:8]
+        self.engine.generate([Request("warm-up", "", 4)], prompt_ids=[ids])
+        print(f"moebench serve: warm-up {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+    def _loop(self) -> None:
+        session = self.session
+        inbox = self.inbox
+        while True:
+            if not session.has_work():
+                message = inbox.get()  # idle: sleep until something arrives
+                if not self._handle(message):
+                    return
+                if self.batch_window_s > 0:
+                    self._gather()
+            while True:  # whatever else arrived since the last step
+                try:
+                    message = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._handle(message):
+                    return
+            if session.has_work():
+                record = session.step()
+                self._publish(session.last_batch, record)
+
+    def _gather(self) -> None:
+        """After an idle spell, wait up to the batch window for the batch to fill: requests sent
+        together reach the engine a little apart, and a static batch that started with the first
+        would leave the rest waiting for the whole batch."""
+        deadline = time.perf_counter() + self.batch_window_s
+        sched = self.session.scheduler
+        while len(sched.waiting) < self.runtime.batch_size:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            try:
+                message = self.inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            if not self._handle(message):
+                self.inbox.put(None)  # let the main loop see the stop
+                return
+
+    def _handle(self, message) -> bool:
+        if message is None:
+            return False
+        kind, payload = message
+        if kind == "add":
+            from moebench.engine.sequence import Request, Sequence
+
+            for h in payload:
+                h.seq = Sequence(Request(h.request_id, "", h.max_tokens, h.stops), h.prompt_ids, h.max_tokens,
+                                 h.arrival)
+                h.stream = TextStream(self.engine.tokenizer, h.stops)
+                self._live[id(h.seq)] = h
+                self.session.add(h.seq)
+                self.m_prompt_tokens += len(h.prompt_ids)
+        elif kind == "abort":
+            events = []
+            for h in payload:
+                if h.seq is not None and self.session.abort(h.seq):
+                    self._live.pop(id(h.seq), None)
+                    self.m_requests["aborted"] += 1
+                    events.append((h, None))
+            if events:
+                self.loop.call_soon_threadsafe(self._deliver, events)
+        elif kind == "call":
+            payload()
+        return True
+
+    def _publish(self, batch, record: dict) -> None:
+        self.m_steps += 1
+        if record["phase"] == "prefill":
+            self.m_prefill_tokens += record["num_tokens"]
+            self.m_prefill_s += record["duration_s"]
+        else:
+            self.m_decode_tokens += record["decode_tokens"]
+            self.m_decode_s += record["duration_s"]
+        events = []
+        for seq in batch:
+            h = self._live.get(id(seq))
+            if h is None:
+                continue
+            made = len(seq.output_ids)
+            when = seq.token_times[-1]
+            if seq.finished:
+                del self._live[id(seq)]
+                rest, ok = h.stream.finish(seq.text)
+                if not ok:
+                    self.m_text_mismatch += 1
+                self.m_requests["ok"] += 1
+                self.m_generated_tokens += made
+                events.append((h, Event(h.index, rest, made, when, seq.finish_reason, len(seq.prompt_ids))))
+            else:
+                piece = h.stream.advance(seq.output_ids)
+                if piece:
+                    events.append((h, Event(h.index, piece, made, when)))
+        if events:
+            self.loop.call_soon_threadsafe(self._deliver, events)
+
+    # --- event loop side
+
+    def _deliver(self, events) -> None:
+        for h, event in events:
+            if event is None or event.finish_reason is not None:
+                self.in_server -= 1
+            h.sink.put_nowait(event)
+
+    # --- views (run on the engine thread through `call`)
+
+    def evidence(self) -> dict:
+        from moebench.kernels import fused_backend
+        from moebench.kernels.cpu_attention import decode_attention_backend
+
+        rt = self.runtime
+        session = self.session
+        ev = session.evidence()
+        return {
+            "schema": "moebench.serve.evidence/1",
+            "switches": rt.switches(),
+            "runtime": {"device": rt.device, "dtype": str(rt.torch_dtype).replace("torch.", ""),
+                        "batch_size": rt.batch_size, "admission": rt.admission,
+                        "expert_budget": rt.expert_budget, "offload_tier": rt.offload_tier,
+                        "kv_block_size": rt.kv_block_size, "kv_capacity_tokens": session.kv_capacity_tokens,
+                        "max_model_len": self.max_model_len, "max_queue": self.max_queue,
+                        "batch_window_ms": self.batch_window_s * 1000},
+            "backends": {"fused_moe": fused_backend(rt.device),
+                         "decode_attention": decode_attention_backend(rt.device, rt.torch_dtype)},
+            "evidence": ev,
+            # judged over everything served so far; a switch with no evidence yet shows here
+            "activation_errors": session.activation_errors(ev, session.num_requests),
+            "requests": session.num_requests,
+            "steps": session.num_steps,
+            "decode_tokens": self.m_decode_tokens,
+            "decode_s": self.m_decode_s,
+            "prefill_tokens": self.m_prefill_tokens,
+            "prefill_s": self.m_prefill_s,
+        }
+
+
+def _settle(future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+# ----------------------------------------------------------------------------- request parsing
+
+
+@dataclass
+class Parsed:
+    prompts: list[list[int]]
+    max_tokens: int
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def _field(body: dict, name: str, kinds, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise _bad(f"'{name}' has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _as_tuple(kinds):
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+class RequestParser:
+    """Checks a request body against what the runtime can do; anything else is a 400."""
+
+    def __init__(self, engine, served_model: str, max_model_len: int, default_max_tokens: int, chat_template):
+        self.engine = engine
+        self.served_model = served_model
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.vocab_size = engine.cfg.vocab_size
+        self.chat_template = chat_template
+
+    def parse(self, body, chat: bool) -> Parsed:
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object", "invalid_body")
+        model = _field(body, "model", str, self.served_model)
+        if model != self.served_model:
+            raise ApiError(404, f"model '{model}' does not exist (this server serves '{self.served_model}')",
+                           "model_not_found")
+        self._sampling(body)
+        if chat:
+            prompts = [self._chat_prompt(body.get("messages"))]
+            limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        else:
+            prompts = self._prompts(body.get("prompt"))
+            limit = body.get("max_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise _bad(f"max_tokens must be a positive integer, got {limit!r}")
+        longest = max(len(p) for p in prompts)
+        room = self.max_model_len - longest
+        if room < 1:
+            raise _bad(f"the prompt has {longest} tokens; this model's context is {self.max_model_len}",
+                       "context_length_exceeded")
+        max_tokens = min(self.default_max_tokens, room) if limit is None else limit
+        if max_tokens > room:
+            raise _bad(f"prompt ({longest} tokens) plus max_tokens ({max_tokens}) exceeds the model's context "
+                       f"of {self.max_model_len} tokens", "context_length_exceeded")
+        stream = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, {})
+        if options and not stream:
+            raise _bad("stream_options is only allowed with stream: true")
+        return Parsed(prompts, max_tokens, self._stops(body.get("stop")), stream,
+                      bool(options.get("include_usage", False)), model)
+
+    def _sampling(self, body: dict) -> None:
+        temperature = _field(body, "temperature", (int, float), 0)
+        if temperature != 0:
+            raise _bad(f"temperature {temperature}: this runtime decodes greedily only (send 0 or omit it)",
+                       "unsupported_sampling")
+        top_p = _field(body, "top_p", (int, float), 1)
+        if top_p != 1:
+            raise _bad(f"top_p {top_p}: this runtime decodes greedily only", "unsupported_sampling")
+        top_k = _field(body, "top_k", int, -1)
+        if top_k not in (-1, 0, 1):
+            raise _bad(f"top_k {top_k}: this runtime decodes greedily only", "unsupported_sampling")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if _field(body, name, (int, float), 0) != 0:
+                raise _bad(f"{name} is not supported by this runtime", "unsupported_parameter")
+        if _field(body, "repetition_penalty", (int, float), 1) != 1:
+            raise _bad("repetition_penalty is not supported by this runtime", "unsupported_parameter")
+        if _field(body, "n", int, 1) != 1 or _field(body, "best_of", int, 1) != 1:
+            raise _bad("n and best_of must be 1 (greedy decoding gives one answer)", "unsupported_parameter")
+        if _field(body, "echo", bool, False):
+            raise _bad("echo is not supported by this runtime", "unsupported_parameter")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise _bad("logprobs are not supported by moebench serve (for loglikelihood tasks use "
+                       "`moebench lm-eval`, which runs the model in-process)", "unsupported_parameter")
+        if body.get("logit_bias"):
+            raise _bad("logit_bias is not supported by this runtime", "unsupported_parameter")
+        _field(body, "seed", int)  # accepted: greedy decoding does not draw, so it changes nothing
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        if prompt is None:
+            raise _bad("'prompt' is required", "missing_prompt")
+        if isinstance(prompt, str):
+            return [self._text(prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [self._ids(prompt)]
+            if all(isinstance(p, str) for p in prompt):
+                return [self._text(p) for p in prompt]
+            if all(isinstance(p, list) for p in prompt):
+                return [self._ids(p) for p in prompt]
+        raise _bad("'prompt' must be a string, a list of token ids, or a list of either", "invalid_prompt")
+
+    def _text(self, text: str) -> list[int]:
+        if not text:
+            raise _bad("the prompt is empty", "invalid_prompt")
+        ids = self.engine.encode(text)
+        if not ids:
+            raise _bad("the prompt encodes to no tokens", "invalid_prompt")
+        return ids
+
+    def _ids(self, ids: list) -> list[int]:
+        if not ids:
+            raise _bad("a token-id prompt is empty", "invalid_prompt")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise _bad(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})", "invalid_prompt")
+        return list(ids)
+
+    def _stops(self, stop) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+            raise _bad("'stop' must be a non-empty string or a list of up to 16 of them", "invalid_stop")
+        return tuple(stop)
+
+    def _chat_prompt(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise _bad("'messages' must be a non-empty list", "invalid_messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise _bad("each message needs a string 'role' and a string 'content'", "invalid_messages")
+        if self.chat_template is not None:
+            text = self.chat_template.render(messages=messages, add_generation_prompt=True)
+        else:  # no template shipped with the model: the messages' contents, one per line
+            text = "\n".join(m["content"] for m in messages)
+        return self._text(text)
+
+
+def load_chat_template(model_dir: Path):
+    """The model's chat template (tokenizer_config.json `chat_template`), compiled, or None."""
+    f = model_dir / "tokenizer_config.json"
+    if not f.is_file():
+        return None
+    template = json.loads(f.read_text()).get("chat_template")
+    if not isinstance(template, str):
+        return None
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+
+# ----------------------------------------------------------------------------- the HTTP app
+
+
+def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, log_requests: bool = False):
+    import asyncio
+    import contextlib
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        serving.start(asyncio.get_running_loop())
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, serving.stop)
+
+    app = FastAPI(title="moebench serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    created = int(time.time())
+
+    def error_response(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return error_response(ApiError(e.status_code, str(e.detail), code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e):
+        return error_response(_bad(str(e), "invalid_request"))
+
+    @app.get("/health")
+    async def health():
+        if serving.failed is not None:
+            return error_response(ApiError(503, f"engine failed: {serving.failed}", "engine_failed"))
+        if not serving.ready.is_set():
+            return error_response(ApiError(503, "warming up", "not_ready"))
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
+                                            "owned_by": "moebench", "max_model_len": parser.max_model_len}]}
+
+    @app.get("/v1/moebench/evidence")
+    async def evidence():
+        _ready_or_raise(serving)
+        return await serving.call(serving.evidence)
+
+    @app.get("/metrics")
+    async def metrics():
+        s = serving
+        lines = []
+
+        def metric(name, kind, help_, samples):
+            lines.append(f"# HELP moebench:{name} {help_}")
+            lines.append(f"# TYPE moebench:{name} {kind}")
+            for labels, value in samples:
+                lines.append(f"moebench:{name}{labels} {value}")
+
+        metric("requests_total", "counter", "Requests (one per prompt) by outcome.",
+               [(f'{{outcome="{k}"}}', v) for k, v in s.m_requests.items()])
+        metric("prompt_tokens_total", "counter", "Prompt tokens accepted.", [("", s.m_prompt_tokens)])
+        metric("generated_tokens_total", "counter", "Tokens generated for finished requests.",
+               [("", s.m_generated_tokens)])
+        metric("engine_steps_total", "counter", "Engine steps run.", [("", s.m_steps)])
+        metric("decode_tokens_total", "counter", "Tokens made by decode steps.", [("", s.m_decode_tokens)])
+        metric("decode_seconds_total", "counter", "Wall time of decode steps.", [("", f"{s.m_decode_s:.6f}")])
+        metric("prefill_tokens_total", "counter", "Prompt tokens run by prefill steps.", [("", s.m_prefill_tokens)])
+        metric("prefill_seconds_total", "counter", "Wall time of prefill steps.", [("", f"{s.m_prefill_s:.6f}")])
+        metric("requests_in_server", "gauge", "Requests accepted and not finished.", [("", s.in_server)])
+        metric("stream_text_mismatch_total", "counter",
+               "Requests whose streamed pieces were not a prefix of the final text (a bug if not 0).",
+               [("", s.m_text_mismatch)])
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def _body(request: Request):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _bad(f"the body is not valid JSON ({e})", "invalid_json") from None
+
+    async def _serve(request: Request, chat: bool):
+        _ready_or_raise(serving)
+        parsed = parser.parse(await _body(request), chat)
+        if serving.in_server + len(parsed.prompts) > serving.max_queue:
+            serving.m_requests["rejected"] += len(parsed.prompts)
+            raise ApiError(429, f"the server holds {serving.in_server} requests (limit {serving.max_queue}); "
+                           "retry later", "queue_full")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        sink: asyncio.Queue = asyncio.Queue()
+        handles = [Handle(f"{rid}-{i}", i, sink, ids, parsed.max_tokens, parsed.stops)
+                   for i, ids in enumerate(parsed.prompts)]
+        serving.submit(handles)
+        if log_requests:
+            print(f"moebench serve: {rid} {len(handles)} prompt(s), max_tokens {parsed.max_tokens}, "
+                  f"stream {parsed.stream}", file=sys.stderr, flush=True)
+        if parsed.stream:
+            return StreamingResponse(_stream(request, handles, sink, rid, chat, parsed),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            finals = await _collect(request, handles, sink)
+        except asyncio.CancelledError:
+            serving.abort(handles)
+            raise
+        return _full_response(rid, chat, parsed, finals)
+
+    async def _collect(request, handles, sink):
+        texts = [[] for _ in handles]
+        finals: list[Event | None] = [None] * len(handles)
+        left = len(handles)
+        while left:
+            event = await sink.get()
+            if event is None:  # aborted
+                raise ApiError(503, "the request was aborted", "aborted")
+            texts[event.index].append(event.text)
+            if event.finish_reason is not None:
+                finals[event.index] = Event(event.index, "".join(texts[event.index]), event.tokens,
+                                            event.token_time_s, event.finish_reason, event.prompt_tokens)
+                left -= 1
+        return finals
+
+    def _full_response(rid, chat, parsed, finals):
+        usage = {"prompt_tokens": sum(f.prompt_tokens for f in finals),
+                 "completion_tokens": sum(f.tokens for f in finals)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if chat:
+            choices = [{"index": f.index, "message": {"role": "assistant", "content": f.text},
+                        "finish_reason": f.finish_reason, "logprobs": None} for f in finals]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": f.index, "text": f.text, "finish_reason": f.finish_reason, "logprobs": None}
+                       for f in finals]
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
+                "choices": choices, "usage": usage}
+
+    async def _stream(request, handles, sink, rid, chat, parsed):
+        """Server-sent events. Pieces that arrived together go out in one write."""
+        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": int(time.time()), "model": parsed.model}, separators=(",", ":"))[:-1]
+        if chat:
+            def chunk(index, text, finish):
+                delta = {"content": text} if finish is None else ({"content": text} if text else {})
+                return ("data: " + head + ', "choices": [' + json.dumps(
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}) + "]}\n\n")
+        else:
+            def chunk(index, text, finish):
+                return ('data: ' + head + ',"choices":[{"index":' + str(index) + ',"text":' + json.dumps(text)
+                        + ',"logprobs":null,"finish_reason":' + json.dumps(finish) + "}]}\n\n")
+
+        finished = 0
+        prompt_tokens = completion_tokens = 0
+        try:
+            if chat:
+                yield "".join("data: " + head + ', "choices": [' + json.dumps(
+                    {"index": h.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}) + "]}\n\n" for h in handles)
+            while finished < len(handles):
+                event = await sink.get()
+                out = []
+                while True:
+                    if event is None:
+                        out.append("data: " + json.dumps(ApiError(503, "the request was aborted", "aborted").body())
+                                   + "\n\n")
+                        finished = len(handles)
+                        break
+                    if event.finish_reason is not None:
+                        finished += 1
+                        prompt_tokens += event.prompt_tokens
+                        completion_tokens += event.tokens
+                        if event.text and chat:
+                            out.append(chunk(event.index, event.text, None))
+                            out.append(chunk(event.index, "", event.finish_reason))
+                        else:
+                            out.append(chunk(event.index, event.text, event.finish_reason))
+                    else:
+                        out.append(chunk(event.index, event.text, None))
+                    try:
+                        event = sink.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                yield "".join(out)
+            tail = ""
+            if parsed.include_usage:
+                tail = ("data: " + head + ', "choices": [], "usage": ' + json.dumps(
+                    {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}) + "}\n\n")
+            yield tail + "data: [DONE]\n\n"
+        finally:
+            if finished < len(handles):  # the client went away: free the engine's slots
+                serving.abort(handles)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, chat=True)
+
+    return app
+
+
+def _ready_or_raise(serving: ServingEngine) -> None:
+    if serving.failed is not None:
+        raise ApiError(503, f"engine failed: {serving.failed}", "engine_failed")
+    if not serving.ready.is_set():
+        raise ApiError(503, "the engine is warming up; wait for /health", "not_ready")
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def serve_command(
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory (config.json, *.safetensors, tokenizer.json). Default: the bundled gsm-synth MoE."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback unless you say otherwise)."),
+    port: int = typer.Option(8000, "--port", help="TCP port; 0 picks a free one (printed on stdout)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: 'bundled' for the bundled model, else the directory name)."),
+    kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive (per-expert loop) or fused."),
+    scheduler: str = typer.Option("static", "--scheduler", help="Batching: static (requests that arrive together form a batch; the next starts when it ends) or continuous (requests join the running batch at the next step)."),
+    prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="max_tokens of a request that gives none (capped by the context left)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt plus max_tokens limit per request (default: the model's max_position_embeddings)."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests the server holds at once (running and waiting); more get HTTP 429."),
+    batch_window_ms: Optional[float] = typer.Option(None, "--batch-window-ms", help="After an idle spell, wait this long for a batch to fill before the first step (default: 10 with --scheduler static, 0 with continuous)."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Fraction of routed-expert weights kept resident (e.g. 0.5) or a size (8GB). Default 1.0."),
+    offload_tier: str = typer.Option("host", "--offload-tier", help="Where non-resident experts live: host or disk."),
+    admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
+    device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (as for run); 0 = torch's own choice."),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log one line per request on stderr."),
+):
+    """Serve the runtime behind an OpenAI-compatible HTTP API (completions, chat, streaming)."""
+    import socket
+
+    from moebench.engine import Engine, RuntimeConfig
+    from moebench.run import _load_model, _parse_budget, bundled_model_path
+
+    if not 0 <= port <= 65535:
+        raise MoebenchError(f"--port must be in 0..65535, got {port}")
+    if max_queue < 1:
+        raise MoebenchError(f"--max-queue must be >= 1, got {max_queue}")
+    if threads is not None and threads < 0:
+        raise MoebenchError(f"--threads must be >= 0, got {threads}")
+    if batch_window_ms is not None and batch_window_ms < 0:
+        raise MoebenchError(f"--batch-window-ms must be >= 0, got {batch_window_ms}")
+    try:  # before the model loads: a port in use is a quick one-line error
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise MoebenchError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    bound = sock.getsockname()[1]
+    runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
+                            batch_size=batch_size, max_new_tokens=max_new_tokens, admission=admission,
+                            expert_budget=_parse_budget(expert_budget or "1.0"), offload_tier=offload_tier)
+    if threads is None and device == "cpu":
+        threads = 1
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    model_path = model or bundled_model_path()
+    ckpt, tokenizer = _load_model(model_path, runtime)
+    engine = Engine(ckpt, tokenizer, runtime)
+    context = max_model_len or ckpt.config.max_position_embeddings
+    if context < 2:
+        raise MoebenchError(f"--max-model-len must be >= 2, got {context}")
+    served = served_model_name or ("bundled" if model is None else Path(model_path).resolve().name)
+    window = (10.0 if scheduler == "static" else 0.0) if batch_window_ms is None else batch_window_ms
+    serving = ServingEngine(engine, context, max_queue, window / 1000, threads)
+    parser = RequestParser(engine, served, context, max_new_tokens, load_chat_template(Path(model_path)))
+    app = build_app(serving, parser, served, log_requests)
+
+    import uvicorn
+
+    print(f"moebench serve: model '{served}' ({model_path}), switches {runtime.switches()}, "
+          f"listening on http://{host}:{bound}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if serving.failed is not None:
+        raise MoebenchError(f"engine failed: {serving.failed}")
+
+
+# ----------------------------------------------------------------------------- a child server
+
+
+class ServeProcess:
+    """`moebench serve ARGS --port 0` as a child process in its own process group, for tests and
+    benchmarks: `with ServeProcess([...]) as server: server.url`. Leaving the block kills the
+    group and waits for it, whatever happened inside."""
+
+    def __init__(self, args: list[str], startup_timeout_s: float = 180.0, log_path: Path | None = None):
+        self.args = list(args)
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = log_path
+        self.proc = None
+        self.url = None
+
+    def __enter__(self) -> "ServeProcess":
+        import os
+        import subprocess
+        import tempfile
+
+        argv = [sys.executable, "-m", "moebench", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix="moebench-serve-", suffix=".log")[1])
+        self._log = open(self.log_path, "w+b")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        import re
+        import select
+
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        line = b""
+        while self.url is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise MoebenchError(f"moebench serve did not start (exit {self.proc.poll()}): {self.log_tail()}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line += self.proc.stdout.readline()
+                found = re.search(rb"listening on (http://\S+)", line)
+                if found:
+                    self.url = found.group(1).decode()
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise MoebenchError(f"moebench serve never became healthy (exit {self.proc.poll()}): {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc) -> None:
+        import os
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, PermissionError):
+                pass
+            except Exception:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            self.proc.stdout.close()
+        self._log.close()
