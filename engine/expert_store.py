@@ -33,6 +33,7 @@ from moebench.engine import memory
 from moebench.engine.offload import expert_file_dtype, experts_in, make_tier
 from moebench.errors import MoebenchError
 
+DEFAULT_DISK_READERS = 3
 STEP_KEYS = ("expert_hits", "expert_misses", "prefetch_issued", "prefetch_hits", "bytes_loaded", "stall_s")
 
 
@@ -244,10 +245,9 @@ class PooledStore(ExpertStore):
         # them wrong guesses) they would wait for the disk twice.
         demand = parallel_demand and workers > 1
         if self.native:
-            # Between two MoE layers' plans a decode step computes ~0.1-2 ms here; a worker that
-            # sleeps in between costs a wake-up (~50 us here) at every plan, as much as a host copy.
-            # (Disk readers sleeping instead: lookahead 0.92x / 1.19x of off at batch 1 / 16 against
-            # 1.07x / 1.33x spinning, bench_prefetch on the bundled model.)
+            # A worker that slept between two plans would pay a wake-up at each one, as much as a
+            # host copy (docs/prefetch.md); one idle worker spins instead, and stops spinning as soon
+            # as another thread wants its core (kernels/csrc/expert_loader.cpp).
             spin = int(runtime.extra.get("loader_spin_us", 2000))
             self.loader_cpus = loader_cpus(runtime)
             self.executor = tier.native_loader(workers, spin, self.loader_cpus)
@@ -604,7 +604,15 @@ class PooledStore(ExpertStore):
 
 
 class NoPrefetch:
+    """prefetch=off: every miss is loaded when its layer asks for it (by the store's demand path)."""
+
     name = "off"
+
+    def __init__(self, store=None):
+        self.store = store
+
+    def activation_errors(self, store) -> list[str]:
+        return store_activation_errors(store)
 
     def before_forward(self, h: torch.Tensor) -> None:
         """The embeddings of a forward pass, before its first layer."""
@@ -684,40 +692,54 @@ def slots_for_budget(cfg, runtime, dtype: torch.dtype | None = None) -> int:
 
 
 def make_store_and_prefetcher(ckpt, runtime):
-    """Build the expert store for the configured budget and tier, and the prefetch strategy."""
+    """Build the expert store for the configured budget and tier, and the prefetch strategy.
+
+    prefetch=off and prefetch=lookahead get the same store: the same slots, loader threads, readers
+    and pinning, so that the switch changes only when loads happen (ahead, or on demand)."""
     from moebench.engine.moe import KERNEL_CLASSES
 
     cfg = ckpt.config
     if runtime.offload_tier not in ("host", "disk"):
         raise MoebenchError(f"unknown --offload-tier '{runtime.offload_tier}' (choose host or disk)")
-    # the kernel says which dtype it wants its weights in (the fused CPU kernel streams bfloat16
-    # checkpoints as they are); the pool holds them so, and a budget in bytes counts them so
+    # The kernel says which dtype it wants its weights in (the fused CPU kernel streams bfloat16
+    # checkpoints as they are, see FusedMoe.expert_dtype); the pool holds them so. The budget counts
+    # slots in the compute dtype for every kernel, so both kernels get the same number of slots.
     dtype = KERNEL_CLASSES[runtime.kernel].expert_dtype(expert_file_dtype(ckpt), runtime.torch_dtype,
                                                         runtime.device)
-    slots = slots_for_budget(cfg, runtime, dtype)
+    slots = slots_for_budget(cfg, runtime)
     if slots >= cfg.num_experts:
         store = ResidentStore(ckpt, runtime.expert_budget, dtype)
     else:
-        lookahead = runtime.prefetch == "lookahead"
         disk = runtime.offload_tier == "disk"
-        # O_DIRECT reads here: ~0.4 GB/s with one reader, ~0.7-1 GB/s with 4-16 in parallel; yet on
-        # 2 cores 3 readers beat 8 (bench_prefetch, disk lookahead vs off: 1.31x / 1.46x at batch 1 /
-        # 16, against 1.18x / 1.32x): each reader woken for a load costs the spare core a wake-up.
-        readers = int(runtime.extra.get("readers", 3))
-        # Workers exist only to overlap loads with compute, which is what prefetch=lookahead is;
-        # the baseline loads on the critical path, one expert at a time.
-        workers = (readers if disk else int(runtime.extra.get("host_workers", 1))) if lookahead else 0
+        # docs/prefetch.md gives the measurements behind 3 disk readers and 1 host worker.
+        readers = int(runtime.extra.get("readers", DEFAULT_DISK_READERS))
+        workers = readers if disk else int(runtime.extra.get("host_workers", 1))
         tier = make_tier(runtime.offload_tier, ckpt, runtime.device, readers)
-        store = PooledStore(ckpt, runtime, tier, slots, workers, parallel_demand=lookahead and disk, dtype=dtype)
+        store = PooledStore(ckpt, runtime, tier, slots, workers, parallel_demand=disk, dtype=dtype)
     if runtime.prefetch == "lookahead":
         from moebench.engine.prefetch import LookaheadPrefetcher
 
-        # Each layer is also guessed from the previous layer's MoE input, so that its loads overlap
-        # that layer's MoE too, not just one attention: a disk read (~0.4 ms here) outlasts an
-        # attention, and so do a layer's host copies once experts are MBs. bench_prefetch, host tier,
-        # lookahead vs off with / without it: 1.21x / 1.04x at batch 1 and 1.40x / 1.02x at batch 16
-        # on its random model (64 experts of 1.5 MB in bfloat16), 0.99x / 1.01x on the bundled one.
+        # Each layer is also guessed from the previous layer's MoE input (the early guess), so that
+        # its loads overlap that layer's MoE too, not just one attention (docs/prefetch.md).
         early = bool(runtime.extra.get("lookahead_early", True))
         return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 1)),
                                           early=early)
-    return store, NoPrefetch()
+    return store, NoPrefetch(store)
+
+
+def store_activation_errors(store) -> list[str]:
+    """A CPU store whose loads ran on Python threads because the native loader did not build fell
+    back (`native_loader: false` in the evidence); that is an error unless the user chose it
+    (MOEBENCH_EXPERT_LOADER=python) or accepts fallbacks (MOEBENCH_ALLOW_FALLBACK=1)."""
+    from moebench.engine.moe import fallback_allowed
+
+    if not isinstance(store, PooledStore) or store.cuda or store.native or not store.workers:
+        return []
+    if os.environ.get("MOEBENCH_EXPERT_LOADER") == "python" or fallback_allowed():
+        return []
+    from moebench.kernels.expert_loader import load_extension
+
+    if load_extension() is not None:
+        return []  # built; this tier keeps its loads in Python by its own choice
+    return [f"expert loads ran on Python threads: the native loader did not build ({store.tier.name} tier, "
+            f"{store.workers} workers); set MOEBENCH_EXPERT_LOADER=python to accept that"]

@@ -70,14 +70,6 @@ def _new_token_ids(s: Sequence) -> list[int]:
     return s.prompt_ids[s.num_cached:] + s.output_ids
 
 
-def _burn(seconds: float) -> None:
-    """Real extra work (matrix products, not a sleep) for the gate's power benchmark only."""
-    x = torch.ones(64, 64)
-    stop = time.perf_counter() + seconds
-    while time.perf_counter() < stop:
-        x = torch.tanh(x @ x * 1e-3)
-
-
 class Engine:
     def __init__(self, ckpt: Checkpoint, tokenizer, runtime: RuntimeConfig):
         self.ckpt = ckpt
@@ -160,9 +152,6 @@ class Engine:
         next_ids = logits.argmax(dim=-1).tolist()
         if rt.device == "cuda":
             torch.cuda.synchronize()
-        slowdown = rt.extra.get("inject_slowdown")
-        if slowdown:
-            _burn(slowdown * (time.perf_counter() - start))
         end = time.perf_counter()
         forward_s = end - start
 

@@ -1,15 +1,27 @@
 """The one MoE interface the model calls: route, ask the expert store, run the configured kernel.
 
 `kernel=naive` is the per-expert loop Hugging Face runs; `kernel=fused` sorts tokens by expert
-once and runs the fused kernels of `moebench.kernels`. Each strategy counts its calls: that count
-is the evidence that the switch was honoured.
+once and runs the fused kernels of `moebench.kernels`. The evidence that the switch was honoured
+is not the strategy's call count but the implementation that computed every call: the C++ kernel,
+the grouped torch fallback (and any per-expert loop inside it) or Triton. A fused run in which any
+call fell back is an activation failure unless the user asked for that fallback
+(MOEBENCH_CPU_KERNEL=torch, or MOEBENCH_ALLOW_FALLBACK=1 for every fallback).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moebench.engine.routing_stats import RoutingStats
+
+ALLOW_FALLBACK_ENV = "MOEBENCH_ALLOW_FALLBACK"
+
+
+def fallback_allowed() -> bool:
+    """Whether the user accepted slower implementations standing in for the configured ones."""
+    return os.environ.get(ALLOW_FALLBACK_ENV, "") not in ("", "0")
 
 
 class MoeKernel:
@@ -48,24 +60,48 @@ class FusedMoe(MoeKernel):
 
     def __init__(self):
         super().__init__()
-        from moebench.kernels import fused_moe
-
-        self._fused_moe = fused_moe
+        self.backends: dict[str, int] = {}  # implementation -> calls it computed
 
     def compute(self, x, topk_weights, topk_ids, w13, w2):
-        return self._fused_moe(x, topk_weights, topk_ids, w13, w2)
+        if x.is_cuda:
+            from moebench.kernels import fused_moe_triton
+
+            self.backends["triton"] = self.backends.get("triton", 0) + 1
+            return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
+        from moebench.kernels.cpu_moe import fused_moe_cpu
+
+        return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2, self.backends)
 
     @staticmethod
     def expert_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
         """bfloat16 experts stay bfloat16 for the C++ CPU kernel: it widens them to float32 in
         registers, which is exact (the float32 copy holds the very same values), so the results are
-        bit-identical to float32 weights while half the bytes are streamed, and decode is bound by
-        streaming them. The torch fallback would compute in bfloat16 instead: it gets float32."""
+        bit-identical to the same kernel on float32 weights (test_bfloat16_weights_widen_exactly)
+        while half the bytes are streamed, and decode is bound by streaming them. This is part of what
+        kernel=fused is: the evidence names the store's dtype, and an expert budget counts slots in
+        the checkpoint's dtype for every kernel (see make_store_and_prefetcher). The torch fallback
+        would compute in bfloat16 instead: it gets float32."""
         from moebench.kernels import cpu_backend
         from moebench.kernels.cpu_moe import BACKEND_CPP
 
         widen_in_kernel = device == "cpu" and compute == torch.float32 and stored == torch.bfloat16
         return stored if widen_in_kernel and cpu_backend() == BACKEND_CPP else compute
+
+    def evidence(self) -> dict:
+        return {**super().evidence(), "backends": dict(self.backends),
+                "allowed_backends": sorted(allowed_fused_backends())}
+
+
+def allowed_fused_backends() -> set[str]:
+    """The implementations a fused run may use without failing activation."""
+    from moebench.kernels.cpu_moe import BACKEND_CPP, BACKEND_LOOP, BACKEND_TORCH
+
+    allowed = {BACKEND_CPP, "triton"}
+    if os.environ.get("MOEBENCH_CPU_KERNEL") == "torch":  # the user chose the torch path
+        allowed.add(BACKEND_TORCH)
+    if fallback_allowed():
+        allowed |= {BACKEND_TORCH, BACKEND_LOOP}
+    return allowed
 
 
 KERNEL_CLASSES = {"naive": NaiveMoe, "fused": FusedMoe}
@@ -76,10 +112,18 @@ def make_kernel(name: str) -> MoeKernel:
 
 
 def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:
-    """A fused run must show fused calls and no naive call; a naive run, no fused call."""
+    """A fused run must show fused calls, no naive call, and every call computed by an allowed
+    implementation (see allowed_fused_backends); a naive run, no fused call."""
     fused, naive = evidence.get("fused_calls", 0), evidence.get("naive_calls", 0)
     if kernel == "fused" and (fused == 0 or naive > 0):
         return [f"kernel=fused but the fused kernel ran {fused} times and the naive loop {naive} times"]
+    if kernel == "fused":
+        allowed = set(evidence.get("allowed_backends") or allowed_fused_backends())
+        fell_back = {b: n for b, n in (evidence.get("backends") or {}).items() if b not in allowed}
+        if fell_back:
+            ran = ", ".join(f"{b} {n}x" for b, n in sorted(fell_back.items()))
+            return [f"kernel=fused fell back to {ran} (of {fused} calls): the C++ kernel did not compute "
+                    f"them (set {ALLOW_FALLBACK_ENV}=1, or MOEBENCH_CPU_KERNEL=torch, to accept that)"]
     if kernel == "naive" and fused > 0:
         return [f"kernel=naive but the fused kernel ran {fused} times"]
     return []

@@ -11,11 +11,7 @@ mostly what the layer will pick:
   MoE input, before layer L's MoE, so the loads overlap that MoE too (a disk read, or a layer's copies
   of MB-sized experts, outlasts one attention). The late guess then adds what the early one missed.
 
-Measured on the bundled model (gsm-synth prompts, resident run, top-(k+1) per token): layers 1-3
-recall 89% at batch 1 and 95% at batch 16, precision 59% / 81%; the first layer from the embeddings
-(top-(k+2): it misses a whole layer of context) 73% / 91%. The earlier design, layer L+1's router on
-layer L's MoE input (one MoE update more to miss, but the loads also overlap layer L's MoE),
-reached 68% / 79% at top-k, and the experts a layer used one step earlier only 14% at batch 1.
+How well each guess predicts, measured against other designs, is in docs/prefetch.md.
 
 RMSNorm divides each token by its own rms, a positive number that does not change which experts
 come top, so the guess is top-k of (router * norm weight) @ h, one matmul. A wrong guess costs
@@ -103,12 +99,17 @@ class LookaheadPrefetcher:
                 "lookahead_early": bool(self.early_routers)}
 
     def activation_errors(self, store) -> list[str]:
+        from moebench.engine.expert_store import store_activation_errors
+
         if not self.active:
-            return []
+            budget = store.evidence().get("expert_budget")
+            return [f"prefetch=lookahead with expert budget {budget}: every expert is resident, so there is "
+                    "nothing to prefetch; set --expert-budget below 1 (for example 0.5) to measure prefetch"]
         ev = store.evidence()
+        errors = store_activation_errors(store)
         if ev["prefetch_hits"] == 0:
-            return [
+            errors.append(
                 f"prefetch=lookahead with expert budget {ev['expert_budget']}: {ev['prefetch_issued']} "
                 f"prefetches issued over {self.plans} plans and none was used by the layer it was loaded for"
-            ]
-        return []
+            )
+        return errors

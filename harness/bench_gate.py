@@ -14,8 +14,8 @@ machine-load drift hits both alike:
 
   aa        the candidate is the baseline (A/A): every gate failure is a false alarm
   slowdown  the candidate's engine does `--slowdown` (default 15%) extra real compute per
-            step (`RuntimeConfig.extra["inject_slowdown"]`, a test-only switch): every gate
-            failure is a detection
+            forward (`SlowedPrefetcher` below wraps its prefetch strategy; the engine itself has no
+            test hook): every gate failure is a detection
 
 The regression rule (`--rule`), with tolerance X (`--tolerance`):
 
@@ -109,17 +109,56 @@ def _configs():
             ConfigPoint("candidate", OFF["kernel"], OFF["scheduler"], OFF["prefetch"])]
 
 
+def _burn(seconds: float) -> None:
+    """Real extra work (matrix products, not a sleep), so the slowdown competes for the core."""
+    import torch
+
+    x = torch.ones(64, 64)
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        x = torch.tanh(x @ x * 1e-3)
+
+
+class SlowedPrefetcher:
+    """The candidate's prefetch strategy, wrapped: after the last MoE layer of every forward it does
+    `slowdown` x (the forward's time so far) of extra compute. It lives here, not in the engine: the
+    product's step has no test hook. Everything else (evidence, activation) is the wrapped one's."""
+
+    def __init__(self, inner, slowdown: float, last_moe_layer: int):
+        self.inner, self.slowdown, self.last = inner, slowdown, last_moe_layer
+        self._forward_start: float | None = None
+
+    def before_forward(self, h) -> None:
+        self._forward_start = time.perf_counter()
+        self.inner.before_forward(h)
+
+    def before_layer(self, layer: int, x) -> None:
+        self.inner.before_layer(layer, x)
+
+    def after_layer(self, layer: int, h) -> None:
+        self.inner.after_layer(layer, h)
+        if layer == self.last and self._forward_start is not None:
+            _burn(self.slowdown * (time.perf_counter() - self._forward_start))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 @contextlib.contextmanager
 def _candidate_extra(extra: dict, quiet: bool):
     """Give the candidate's runtime `extra` (the injected slowdown), and keep measure() quiet.
 
     measure() looks `_runtime_for` up in moebench.run at call time, so replacing it there
-    reaches both the warm-up and the trials without touching run.py or measure.py.
+    reaches both the warm-up and the trials without touching run.py or measure.py. The engine
+    builds its store and prefetcher through `make_store_and_prefetcher`; wrapped here, the
+    prefetcher of a runtime whose `extra` asks for a slowdown is a SlowedPrefetcher.
     """
+    import moebench.engine.llm_engine as engine_mod
     import moebench.measure as measure_mod
     import moebench.run as run_mod
 
     original = run_mod._runtime_for
+    original_make = engine_mod.make_store_and_prefetcher
 
     def runtime_for(base, cfg):
         rt = original(base, cfg)
@@ -127,8 +166,18 @@ def _candidate_extra(extra: dict, quiet: bool):
             rt = replace(rt, extra={**rt.extra, **extra})
         return rt
 
+    def make_store_and_prefetcher(ckpt, runtime):
+        store, prefetcher = original_make(ckpt, runtime)
+        slowdown = runtime.extra.get("inject_slowdown")
+        if slowdown:
+            cfg = ckpt.config
+            last = max(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+            prefetcher = SlowedPrefetcher(prefetcher, float(slowdown), last)
+        return store, prefetcher
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(run_mod, "_runtime_for", runtime_for))
+        stack.enter_context(mock.patch.object(engine_mod, "make_store_and_prefetcher", make_store_and_prefetcher))
         if quiet:
             stack.enter_context(mock.patch.object(measure_mod, "console", Console(quiet=True)))
             stack.enter_context(mock.patch.object(measure_mod, "print_summary", lambda *a, **k: None))

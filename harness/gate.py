@@ -1,29 +1,32 @@
 """`moebench gate`: the report's verdict as a CI check. Exit 0 if every rule holds, 1 if any
-fails; unusable input raises MoebenchError, which the CLI turns into exit 2.
+fails; unusable input raises MoebenchError, which the CLI turns into exit 2 (one line). That
+includes a results directory whose summary.json disagrees with its raw samples and trials, or
+lacks them, and an output path (--junit, --markdown) that cannot be written: exit 1 means a
+regression and nothing else.
 
-Rules (thresholds from the policy, see gate.toml):
+Rules (thresholds from the policy, moebench.policy; the policy's `metric` picks the speedup,
+whole-run output tok/s or decode tok/s):
   speedup    the gated config's 95% CI lower bound >= min_speedup
   accuracy   every config: McNemar exact p >= mcnemar_alpha, drop <= max_accuracy_drop points
   identical  every config not marked approximate: identical outputs >= min_identical
-  activation every config: each switched-on optimization left evidence that it ran
+  activation every config: each switched-on optimization left evidence that it ran (a switch the
+             workload could not exercise passes, and says "not exercised")
   regression with a committed summary: the gated config's speedup CI upper bound
              >= committed median x (1 - max_slowdown)
 """
 
 from __future__ import annotations
 
+import math
+import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from moebench.errors import MoebenchError
-from moebench.fileio import atomic_write_bytes, atomic_write_text
-from moebench.policy import Policy, load_policy, with_overrides
-from moebench.summary import config_entry, format_p, load_summary, read_summary
+from moebench.policy import DEFAULTS, Policy, load_policy, with_overrides
 
 # Preferred gated configs when none is named: the full stack, else the longest partial one.
 STACK_PREFERENCE = ("all", "kernel+scheduler", "kernel")
@@ -52,15 +55,29 @@ def gated_config(summary: dict, requested: str | None) -> str:
     return others[-1]
 
 
+SPEEDUP_KEYS = {"decode": "speedup", "output": "output_speedup"}
+METRIC_WORDS = {"decode": "decode tok/s", "output": "output tok/s, whole run"}
+
+
+def _speedup_of(entry: dict, metric: str) -> dict:
+    return (entry.get("vs_baseline") or {}).get(SPEEDUP_KEYS[metric]) or {}
+
+
 def _speedup_rule(summary: dict, name: str, policy: Policy) -> Rule:
-    sp = config_entry(summary, name).get("vs_baseline", {}).get("speedup") or {}
+    from moebench.summary import config_entry
+
+    sp = _speedup_of(config_entry(summary, name), policy.metric)
     ci = sp.get("ci95")
-    measured = "n/a (no interval)" if not ci else f"{sp['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}]"
-    return Rule(f"speedup {name}: 95% CI lower bound", measured, f">= {policy.min_speedup:g}x",
-                bool(ci) and ci[0] >= policy.min_speedup)
+    n = len(sp.get("trials") or [])
+    measured = "n/a (no interval: fewer than 2 trials)" if not ci else \
+        f"{sp['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {n} trials"
+    return Rule(f"speedup {name} ({METRIC_WORDS[policy.metric]}): 95% CI lower bound", measured,
+                f">= {policy.min_speedup:g}x", bool(ci) and ci[0] >= policy.min_speedup)
 
 
 def _accuracy_rules(c: dict, policy: Policy) -> list[Rule]:
+    from moebench.summary import format_p
+
     vb = c["vs_baseline"]
     p, delta = vb.get("mcnemar_p"), vb.get("accuracy_delta")
     d = vb.get("discordant") or {}
@@ -86,24 +103,46 @@ def _identity_rule(c: dict, policy: Policy) -> Rule:
 def _activation_rule(c: dict) -> Rule:
     a = c["activation"]
     ok = a.get("ok")
-    measured = {True: "evidence present", False: "; ".join(a.get("errors") or []) or "no evidence",
-                None: "not recorded"}[ok]
+    if ok is True and a.get("not_exercised"):
+        measured = "evidence present; " + "; ".join(a["not_exercised"])
+    else:
+        measured = {True: "evidence present", False: "; ".join(a.get("errors") or []) or "no evidence",
+                    None: "not recorded"}[ok]
     return Rule(f"activation {c['name']}", measured, "every switched-on optimization ran", ok is True)
 
 
-def _regression_rule(summary: dict, committed: dict, name: str, policy: Policy, source: str) -> Rule:
+def _committed_speedup(committed: dict, name: str, metric: str, source: str) -> float:
+    """The committed summary's median speedup of `name` in `metric`. A summary written before
+    output_speedup existed still has both configs' output tok/s medians: their ratio stands in."""
+    from moebench.summary import config_entry
+
     try:
-        old = config_entry(committed, name)["vs_baseline"]["speedup"]
+        entry = config_entry(committed, name)
     except (MoebenchError, KeyError, TypeError):
-        raise MoebenchError(f"{source}: has no speedup for config {name!r} to compare with") from None
-    if old.get("median") is None:
-        raise MoebenchError(f"{source}: speedup of {name!r} is null")
-    now = config_entry(summary, name)["vs_baseline"]["speedup"]
-    floor = old["median"] * (1 - policy.max_slowdown)
+        raise MoebenchError(f"{source}: has no config {name!r} to compare with") from None
+    median = _speedup_of(entry, metric).get("median")
+    if median is None and metric == "output":
+        try:
+            mine = entry["output_tokens_per_s"]["median"]
+            base = config_entry(committed, committed["baseline"])["output_tokens_per_s"]["median"]
+            median = mine / base if mine and base else None
+        except (MoebenchError, KeyError, TypeError):
+            median = None
+    if median is None:
+        raise MoebenchError(f"{source}: has no {METRIC_WORDS[metric]} speedup for config {name!r} to compare with")
+    return float(median)
+
+
+def _regression_rule(summary: dict, committed: dict, name: str, policy: Policy, source: str) -> Rule:
+    from moebench.summary import config_entry
+
+    old = _committed_speedup(committed, name, policy.metric, source)
+    now = _speedup_of(config_entry(summary, name), policy.metric)
+    floor = old * (1 - policy.max_slowdown)
     ci = now.get("ci95")
-    return Rule(f"speedup {name} vs committed baseline",
+    return Rule(f"speedup {name} ({METRIC_WORDS[policy.metric]}) vs committed baseline",
                 "n/a (no interval)" if not ci else f"{now['median']:.3f}x, CI upper {ci[1]:.3f}",
-                f"CI upper >= {floor:.3f}x ({old['median']:.3f}x - {policy.max_slowdown:.0%})",
+                f"CI upper >= {floor:.3f}x ({old:.3f}x - {policy.max_slowdown:.0%})",
                 bool(ci) and ci[1] >= floor)
 
 
@@ -129,7 +168,9 @@ def _verdict(rule: Rule) -> str:
     return "pass" if rule.passed else "FAIL"
 
 
-def rich_table(rules: list[Rule], title: str) -> Table:
+def rich_table(rules: list[Rule], title: str):
+    from rich.table import Table
+
     table = Table(title=title)
     for col in ("rule", "measured", "threshold", "verdict"):
         table.add_column(col)
@@ -164,34 +205,133 @@ def markdown_table(rules: list[Rule], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- trust, but verify
+
+def _close(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return a == b
+
+
+def _checked_fields(summary: dict) -> dict:
+    """What the gate's rules read from a summary, per config."""
+    out = {}
+    for c in summary.get("configs") or []:
+        vb = c.get("vs_baseline") or {}
+        fields = {"activation.ok": (c.get("activation") or {}).get("ok"),
+                  "accuracy.correct": (c.get("accuracy") or {}).get("correct"),
+                  "accuracy.total": (c.get("accuracy") or {}).get("total"),
+                  "identical_outputs": vb.get("identical_outputs"), "mcnemar_p": vb.get("mcnemar_p"),
+                  "accuracy_delta": vb.get("accuracy_delta")}
+        for metric, key in SPEEDUP_KEYS.items():
+            sp = vb.get(key) or {}
+            fields[f"{key}.median"] = sp.get("median")
+            for i, v in enumerate(sp.get("ci95") or [None, None]):
+                fields[f"{key}.ci95[{i}]"] = v
+        out[c.get("name")] = fields
+    return out
+
+
+def verified_summary(target: Path) -> tuple[dict, str]:
+    """The summary to gate, recomputed from the run's raw files (manifest, samples, trials), and
+    a note on what was checked. A summary.json beside them must agree with the recomputation on
+    every number a rule reads; raw files that are missing, or a summary that disagrees, are a
+    MoebenchError (exit 2): a results folder holding only a summary proves nothing."""
+    from moebench.summary import SCHEMA, build_summary, read_summary
+
+    target = Path(target)
+    run_dir = target.parent if target.is_file() else target
+    if not run_dir.is_dir():
+        raise MoebenchError(f"{target}: no such results directory")
+    missing = [f for f in ("manifest.json", "samples.jsonl", "trials.jsonl") if not (run_dir / f).is_file()]
+    if missing:
+        raise MoebenchError(f"{run_dir}: lacks {', '.join(missing)}; the gate recomputes the summary from the "
+                            "raw samples and trials and will not trust a summary.json alone")
+    recomputed = build_summary(run_dir)
+    written = target if target.is_file() else run_dir / "summary.json"
+    if not written.is_file():
+        return recomputed, "summary computed from the raw samples and trials (no summary.json)"
+    try:
+        summary = read_summary(written)
+    except MoebenchError:
+        return recomputed, f"{written.name} is not {SCHEMA}: summary recomputed from the raw samples and trials"
+    mine, theirs = _checked_fields(recomputed), _checked_fields(summary)
+    diffs = []
+    for name in sorted(set(mine) | set(theirs), key=str):
+        a, b = theirs.get(name), mine.get(name)
+        if a is None or b is None:
+            diffs.append(f"config {name!r} {'only in summary.json' if b is None else 'missing from summary.json'}")
+            continue
+        diffs += [f"{name} {k}: {a[k]} in summary.json, {b[k]} from the raw files"
+                  for k in b if not _close(a.get(k), b[k])]
+    if diffs:
+        raise MoebenchError(f"{written}: disagrees with the raw samples and trials ({'; '.join(diffs[:3])}"
+                            f"{f'; {len(diffs) - 3} more' if len(diffs) > 3 else ''}); rebuild it "
+                            "(delete it and run moebench report or gate again) or find out who changed it")
+    return recomputed, f"{written.name} checked against the raw samples and trials"
+
+
+def check_output_path(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be written (exit 2, one line)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MoebenchError(f"{flag} {path}: is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise MoebenchError(f"{flag} {path}: directory {parent} does not exist (or is not a directory)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise MoebenchError(f"{flag} {path}: not writable")
+
+
+def _write(path: Path, data: bytes, flag: str) -> None:
+    from moebench.fileio import atomic_write_bytes
+
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as e:
+        raise MoebenchError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+
+
+_HELP_DEFAULT = "policy default: {}"
+
+
 def gate_command(
-    run_dir: Path = typer.Argument(..., help="A results directory (or its summary.json)."),
-    policy: Path | None = typer.Option(None, "--policy", help="Gate policy TOML (default: ./gate.toml if present)."),
+    run_dir: Path = typer.Argument(..., help="A results directory (or its summary.json); its raw samples and trials must be there."),
+    policy: Path | None = typer.Option(None, "--policy", help="Gate policy TOML (default: ./gate.toml if present, else the built-in defaults; the output names the one applied)."),
     config: str | None = typer.Option(None, "--config", help="Config whose speedup is gated (default: 'all', else the last stacked config)."),
-    min_speedup: float | None = typer.Option(None, "--min-speedup", help="Required lower 95% bound of the speedup (policy default 1.2)."),
-    max_accuracy_drop: float | None = typer.Option(None, "--max-accuracy-drop", help="Accuracy points any config may lose (policy default 0.5)."),
-    min_identical: float | None = typer.Option(None, "--min-identical", help="Required share of outputs identical to the baseline's (policy default 0.99)."),
+    metric: str | None = typer.Option(None, "--metric", help=f"Speedup gated: output (whole-run output tok/s) or decode (decode steps only) ({_HELP_DEFAULT.format(DEFAULTS.metric)})."),
+    min_speedup: float | None = typer.Option(None, "--min-speedup", help=f"Required lower 95% bound of the speedup ({_HELP_DEFAULT.format(DEFAULTS.min_speedup)})."),
+    max_accuracy_drop: float | None = typer.Option(None, "--max-accuracy-drop", help=f"Accuracy points any config may lose ({_HELP_DEFAULT.format(DEFAULTS.max_accuracy_drop)})."),
+    min_identical: float | None = typer.Option(None, "--min-identical", help=f"Required share of outputs identical to the baseline's ({_HELP_DEFAULT.format(DEFAULTS.min_identical)})."),
     baseline: Path | None = typer.Option(None, "--baseline", help="Committed summary.json whose speedup must not regress."),
-    max_slowdown: float | None = typer.Option(None, "--max-slowdown", help="Allowed fall of the speedup below the committed one (policy default 0.10)."),
+    max_slowdown: float | None = typer.Option(None, "--max-slowdown", help=f"Allowed fall of the speedup below the committed one ({_HELP_DEFAULT.format(DEFAULTS.max_slowdown)})."),
     junit: Path | None = typer.Option(None, "--junit", help="Also write the rules as JUnit XML here."),
     markdown: Path | None = typer.Option(None, "--markdown", help="Also write the rule table as Markdown here."),
 ) -> None:
-    """Check a run against the gate policy: exit 0 if every rule holds, 1 if any fails."""
-    pol = with_overrides(load_policy(policy), config=config, min_speedup=min_speedup,
+    """Check a run against the gate policy: exit 0 if every rule holds, 1 if any fails, 2 on unusable input."""
+    from rich.console import Console
+
+    for path, flag in ((junit, "--junit"), (markdown, "--markdown")):
+        if path is not None:
+            check_output_path(path, flag)
+    pol = with_overrides(load_policy(policy), config=config, metric=metric, min_speedup=min_speedup,
                          max_accuracy_drop=max_accuracy_drop, min_identical=min_identical,
                          max_slowdown=max_slowdown, baseline=str(baseline) if baseline else None)
-    summary = load_summary(run_dir)
+    from moebench.summary import read_summary
+
+    summary, checked = verified_summary(run_dir)
     committed = read_summary(Path(pol.baseline)) if pol.baseline else None
     rules = evaluate(summary, pol, committed, committed_source=str(pol.baseline))
     passed = all(r.passed for r in rules)
-    title = f"moebench gate: {summary.get('run_id')}"
+    title = f"moebench gate: {summary.get('run_id')} (policy: {pol.source})"
     if junit:
-        atomic_write_bytes(junit, junit_xml(rules, title))
+        _write(junit, junit_xml(rules, title), "--junit")
     if markdown:
-        atomic_write_text(markdown, markdown_table(rules, title))
+        _write(markdown, markdown_table(rules, title).encode("utf-8"), "--markdown")
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 140)  # CI logs: keep each rule on one line
+        console.width = max(console.width, 160)  # CI logs: keep each rule on one line
+    console.print(f"policy: {pol.source}; {checked}")
     console.print(rich_table(rules, title))
     n_fail = sum(not r.passed for r in rules)
     console.print("[green]gate: PASS[/green]" if passed else f"[bold red]gate: FAIL[/bold red] ({n_fail} of {len(rules)} rules)")

@@ -94,8 +94,30 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
         runtime = runtime_for(base_runtime, cfg)
         with console.status(f"warm-up: {cfg.name}"):
             result = Engine(ckpt(cfg), tokenizer, runtime).generate(requests)
-        if result.activation_errors and len(items) > base_runtime.batch_size:
+        # Every run, however small: only continuous batching's mid-flight admission depends on
+        # the workload, and the engine itself says when it had no chance (not an error).
+        if result.activation_errors:
             raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
+
+
+def trial_order(configs, trial: int) -> list:
+    """The configs in the order trial `trial` runs them: rotated by one place per trial, so that no
+    config always runs first (or right after the same neighbour) and an order effect (a cold
+    start, a load spike that one position keeps catching) averages out over the trials instead of
+    biasing every ratio the same way (docs/statistics.md)."""
+    k = trial % len(configs) if configs else 0
+    return list(configs[k:]) + list(configs[:k])
+
+
+def not_exercised(cfg, evidence: dict, num_requests: int, runtime) -> list[str]:
+    """Switches this workload gave no chance to show evidence (continuous batching with no more
+    requests than slots, or a batch of one): the summary says "not exercised", never "ok"."""
+    sched = (evidence or {}).get("scheduler")
+    if runtime is None or not isinstance(sched, dict) or "admissions_mid_flight" not in sched:
+        return []  # not the bundled runtime's evidence: its own backend decides
+    from moebench.engine.scheduler import scheduler_not_exercised
+
+    return scheduler_not_exercised(cfg.scheduler, sched, num_requests, runtime.batch_size)
 
 
 class ServerDied(Exception):
@@ -123,7 +145,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     done = _completed_trials(run_dir)
     _drop_partial_samples(run_dir, done)
     steps = _load_steps(run_dir, done)
-    todo = [(t, c) for t in range(repeats) for c in configs if (c.name, t) not in done]
+    todo = [(t, c) for t in range(repeats) for c in trial_order(configs, t) if (c.name, t) not in done]
     items_by_id = {item.id: item for item in suite.items}
     requests = _requests(suite, suite.items, max_new_tokens)
     if done:
@@ -163,8 +185,8 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
-                exercised = backend.exercises_all_switches or len(requests) > base_runtime.batch_size
-                failed = result.activation_errors if exercised else []
+                failed = result.activation_errors
+                idle = not_exercised(cfg, result.evidence, len(requests), base_runtime)
                 if failed:
                     activation_failures.append(f"config '{cfg.name}' trial {trial}: " + "; ".join(failed))
                 append_jsonl(run_dir / "trials.jsonl", {
@@ -174,12 +196,15 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     "output_tokens": sum(c.output_tokens for c in result.completions),
                     "failed_requests": sum(getattr(c, "error", None) is not None for c in result.completions),
                     "evidence": result.evidence, "activation_ok": not failed,
-                    "activation_errors": failed, "expert_load": result.expert_load,
+                    "activation_errors": failed, "not_exercised": idle, "expert_load": result.expert_load,
+                    "position": [c.name for c in trial_order(configs, trial)].index(cfg.name),
                 })
                 steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
                 _write_steps(run_dir, steps)
+                output_tokens = sum(c.output_tokens for c in result.completions)
                 progress.console.print(
                     f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
+                    f"{output_tokens / max(result.wall_s, 1e-9):8.1f} output tok/s (whole run), "
                     f"wall {result.wall_s:6.1f} s"
                 )
                 if getattr(result, "server_exit", None) is not None:
@@ -218,23 +243,38 @@ def write_summary(run_dir: Path) -> dict:
 
 def print_summary(summary: dict, run_dir: Path) -> None:
     table = Table(title=f"moebench run {summary.get('run_id', run_dir.name)}")
-    for col in ("config", "decode tok/s (95% CI)", "speedup (95% CI)", "accuracy", "identical", "activation"):
+    for col in ("config", "decode tok/s (95% CI)", "speedup (95% CI)", "output tok/s, whole run (95% CI)",
+                "speedup (95% CI)", "accuracy", "identical", "activation"):
         table.add_column(col)
+
+    def rate(block: dict) -> str:
+        if block.get("median") is None:
+            return "-"
+        ci = block.get("ci95")
+        return f"{block['median']:.1f} ({ci[0]:.1f}-{ci[1]:.1f})" if ci else f"{block['median']:.1f}"
+
+    def ratio(block: dict) -> str:
+        ci = block.get("ci95")
+        return f"{block['median']:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ci else \
+            (f"{block['median']:.2f}x" if block.get("median") is not None else "-")
     for c in summary["configs"]:
-        tps = c["decode_tokens_per_s"]
         acc = c["accuracy"]
         vs = c.get("vs_baseline") or {}
-        speed = vs.get("speedup") or {}
         table.add_row(
             c["name"],
-            f"{tps['median']:.1f} ({tps['ci95'][0]:.1f}-{tps['ci95'][1]:.1f})" if tps.get("ci95") else f"{tps['median']:.1f}",
-            f"{speed['median']:.2f}x ({speed['ci95'][0]:.2f}-{speed['ci95'][1]:.2f})" if speed.get("ci95") else "-",
+            rate(c["decode_tokens_per_s"]),
+            ratio(vs.get("speedup") or {}),
+            rate(c.get("output_tokens_per_s") or {}),
+            ratio(vs.get("output_speedup") or {}),
             f"{acc['correct']}/{acc['total']} ({100 * acc['value']:.1f}%)",
             f"{100 * vs['identical_outputs']:.1f}%" if vs.get("identical_outputs") is not None else "-",
-            "ok" if c["activation"]["ok"] else "FAILED",
+            {True: c["activation"].get("status", "ok"), False: "FAILED"}.get(c["activation"]["ok"], "unknown"),
         )
     out = Console()
     if not out.is_terminal:  # CI logs and pipes: the whole table, not one cut at 80 columns
         out.width = max(out.width, out.measure(table).maximum)
     out.print(table)
+    iv = summary.get("intervals") or {}
+    if iv.get("trials"):
+        console.print(f"95% intervals: {iv['method']}, {iv['trials']} trials, config order {iv.get('order')}")
     console.print(f"results: {run_dir}")

@@ -1,4 +1,10 @@
-"""The gate's policy: thresholds from a TOML file (gate.toml), overridable by command-line flags."""
+"""The gate's policy: thresholds from a TOML file, overridable by command-line flags.
+
+`Policy`'s field defaults are the one source of the built-in thresholds: the gate's --help quotes
+them (`DEFAULTS`), the root gate.toml restates none of them, and .ci/gate.toml names only what CI
+sets differently. `load_policy` records where a policy came from (`Policy.source`), and the gate
+prints it, so a ./gate.toml picked up from the working directory is never applied silently.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +15,38 @@ from pathlib import Path
 from moebench.errors import MoebenchError
 
 DEFAULT_POLICY_FILE = Path("gate.toml")
+BUILT_IN = "built-in defaults"
+# The throughput a speedup is computed from (summary.json): whole-run output tok/s, as
+# `vllm bench serve` reports it, or decode tok/s (decode steps only, prefill steps left out).
+METRICS = ("output", "decode")
 
 
 @dataclass(frozen=True)
 class Policy:
     config: str | None = None        # the config whose speedup is gated; None: "all" or the last stacked
+    metric: str = "output"           # which speedup is gated: "output" (whole run) or "decode"
     min_speedup: float = 1.2         # lower 95% bound of the speedup must reach this
     max_accuracy_drop: float = 0.5   # accuracy points a config may lose against the baseline
     min_identical: float = 0.99      # share of outputs identical to the baseline's
     mcnemar_alpha: float = 0.05      # McNemar p below this is a detected accuracy change
-    max_slowdown: float = 0.10       # allowed fall of the speedup against a committed baseline
+    max_slowdown: float = 0.05       # allowed fall of the speedup against a committed baseline (docs/gate.md)
     baseline: str | None = None      # committed summary.json to compare the speedup with
     approximate: tuple[str, ...] = field(default_factory=tuple)  # exempt from the identity rule
+    source: str = field(default=BUILT_IN, compare=False)  # where the policy came from (not a key)
+
+    def __post_init__(self):
+        if self.metric not in METRICS:
+            raise MoebenchError(f"policy metric {self.metric!r}: choose from {', '.join(METRICS)}")
 
 
+DEFAULTS = Policy()
+_KEYS = {f.name for f in fields(Policy)} - {"source"}
 _NUMBERS = {"min_speedup", "max_accuracy_drop", "min_identical", "mcnemar_alpha", "max_slowdown"}
 
 
 def load_policy(path: Path | None) -> Policy:
-    """Policy from a TOML file ([gate] table or top level); built-in defaults when path is None
-    and ./gate.toml does not exist."""
+    """Policy from a TOML file ([gate] table or top level); the built-in defaults when path is None
+    and ./gate.toml does not exist. Keys the file does not set keep their defaults."""
     if path is None:
         if not DEFAULT_POLICY_FILE.is_file():
             return Policy()
@@ -38,13 +56,14 @@ def load_policy(path: Path | None) -> Policy:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise MoebenchError(f"{path}: policy file missing") from None
+    except IsADirectoryError:
+        raise MoebenchError(f"{path}: is a directory, not a policy file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise MoebenchError(f"{path}: not valid TOML ({e})") from None
     table = data.get("gate", data)
-    known = {f.name for f in fields(Policy)}
-    unknown = sorted(set(table) - known)
+    unknown = sorted(set(table) - _KEYS)
     if unknown:
-        raise MoebenchError(f"{path}: unknown policy keys {unknown} (known: {sorted(known)})")
+        raise MoebenchError(f"{path}: unknown policy keys {unknown} (known: {sorted(_KEYS)})")
     values = {}
     for key, value in table.items():
         if key in _NUMBERS:
@@ -59,12 +78,18 @@ def load_policy(path: Path | None) -> Policy:
             if not isinstance(value, str):
                 raise MoebenchError(f"{path}: {key} must be a string, got {value!r}")
             values[key] = value or None  # an empty string means "not set"
+    if values.get("metric") is None:
+        values.pop("metric", None)
     if values.get("baseline"):
         # Relative to the policy file, so the gate works from any working directory.
         values["baseline"] = str(path.parent / values["baseline"])
-    return Policy(**values)
+    return Policy(**values, source=str(path))
 
 
 def with_overrides(policy: Policy, **flags) -> Policy:
-    """The policy with every flag that was given (not None) replacing its value."""
-    return replace(policy, **{k: v for k, v in flags.items() if v is not None})
+    """The policy with every flag that was given (not None) replacing its value; the source then
+    says that flags changed it."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not given:
+        return policy
+    return replace(policy, **given, source=f"{policy.source} + flags {', '.join('--' + k.replace('_', '-') for k in given)}")

@@ -109,8 +109,11 @@ def _headline(summary: dict, base: dict, opt: dict) -> Table:
          _f(od["median"]) + _ci(od["ci95"]),
          f"{_pct_change(od['median'], bd['median'])} (speedup {_f(sp.get('median'), '{:.2f}x')}"
          f"{_ci(sp.get('ci95'))})"],
-        ["Output tokens/s (whole run)", _f(bo["median"]), _f(oo["median"]),
-         _pct_change(oo["median"], bo["median"])],
+        ["Output tokens/s, whole run (median [95% CI])", _f(bo["median"]) + _ci(bo.get("ci95")),
+         _f(oo["median"]) + _ci(oo.get("ci95")),
+         f"{_pct_change(oo['median'], bo['median'])} (speedup "
+         f"{_f((vb.get('output_speedup') or {}).get('median'), '{:.2f}x')}"
+         f"{_ci((vb.get('output_speedup') or {}).get('ci95'))})"],
         ["Accuracy (correct / total)", _acc(base), _acc(opt),
          f"{_f(vb.get('accuracy_delta'), '{:+.2f}')} points{_ci(vb.get('accuracy_delta_ci95'))}"],
         ["McNemar exact p (discordant baseline-only vs optimized-only)", "",
@@ -138,6 +141,8 @@ def _headline(summary: dict, base: dict, opt: dict) -> Table:
 
 def _active(c: dict) -> str:
     ok = c["activation"].get("ok")
+    if ok and c["activation"].get("not_exercised"):
+        return "not exercised"  # the workload gave a switch no chance to show evidence: never "yes"
     return "unknown" if ok is None else ("yes" if ok else "NO")
 
 
@@ -172,6 +177,47 @@ def _per_config(summary: dict) -> list[Table]:
                    "identical outputs", "active"], speed),
             Table(["config", "kernel / scheduler / prefetch", "mean TTFT s", "mean TPOT s", "latency P50 / P95 s", "output tokens P50 / P95",
                    "errors / truncations"], latency)]
+
+
+def _throughput_blocks(summary: dict) -> list:
+    """Decode tok/s (decode steps only) beside output tok/s over the whole run, with both speedups,
+    how their intervals were computed, and what a switch changes beyond its name."""
+    rows = []
+    for c in summary["configs"]:
+        vb = c.get("vs_baseline") or {}
+        d, o = c["decode_tokens_per_s"], c.get("output_tokens_per_s") or {}
+        sp, osp = vb.get("speedup") or {}, vb.get("output_speedup") or {}
+        rows.append([c["name"], str(c["trials"]), _f(d["median"]) + _ci(d.get("ci95")),
+                     "1 (baseline)" if not vb else _f(sp.get("median"), "{:.2f}x") + _ci(sp.get("ci95")),
+                     _f(o.get("median")) + _ci(o.get("ci95")),
+                     "1 (baseline)" if not vb else _f(osp.get("median"), "{:.2f}x") + _ci(osp.get("ci95"))])
+    blocks = [Table(["config", "trials", "decode tok/s [95% CI]", "decode speedup [95% CI]",
+                     "output tok/s, whole run [95% CI]", "whole-run speedup [95% CI]"], rows)]
+    iv = summary.get("intervals") or {}
+    n = iv.get("trials") or 0
+    order = {"rotated": "the configurations' order rotated by one place from trial to trial",
+             "fixed": "the configurations in the same order in every trial"}.get(iv.get("order"), "")
+    blocks.append(Para(
+        "Decode tok/s counts decode steps only (tokens generated in decode steps / their wall time); output "
+        "tok/s counts every output token over each trial's whole wall time, prefill included, as `vllm bench "
+        "serve` reports output throughput. " + (
+            f"Intervals: a Student t interval on the logs of the {n} per-trial values, {n - 1} degree"
+            f"{'s' if n > 2 else ''} of freedom; for speedups on the per-trial ratios config / baseline of the "
+            f"same trial (paired){', with ' + order if order else ''}. With {n} trials the interval is as wide "
+            "as so few trials demand (docs/statistics.md)." if n >= 2 else
+            "One trial: no interval can be computed; run with --repeats 2 or more.")))
+    dtypes = {}
+    for c in summary["configs"]:
+        ev = (c["activation"].get("evidence") or {}).get("prefetch") or {}
+        if ev.get("expert_dtype"):
+            dtypes.setdefault(c["kernel"], set()).add(ev["expert_dtype"])
+    if len({d for ds in dtypes.values() for d in ds}) > 1:
+        said = "; ".join(f"kernel={k}: {', '.join(sorted(v))}" for k, v in sorted(dtypes.items()))
+        blocks.append(Para(f"The switches bundle a change of expert dtype ({said}): the fused CPU kernel reads "
+                           "bfloat16 experts as stored and widens them in registers (exact), where the naive "
+                           "loop reads float32 copies, so kernel=fused also halves the bytes per expert read "
+                           "and per load. Both get the same number of expert slots for a budget."))
+    return blocks
 
 
 def _mcnemar_table(summary: dict) -> Table:
@@ -361,7 +407,7 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
     opt = config_entry(summary, summary["optimized"]) if summary.get("optimized") else None
     model, suite, machine = summary.get("model") or {}, summary.get("suite") or {}, summary.get("machine") or {}
     doc = Doc(f"moebench report: {summary['run_id']}")
-    doc.add(Para(f"Model {model.get('model_type', 'unknown')} ({model.get('path', '')}), suite "
+    doc.add(Para(f"Model {model.get('model_type', 'unknown')} ({Path(model.get('path') or '').name}), suite "
                  f"{suite.get('name', 'unknown')} ({summary['n_items']} items, {summary.get('repeats')} "
                  f"trials), machine {machine.get('cpu', 'unknown')}"
                  f"{', GPU ' + str(machine['gpu']) if machine.get('gpu') else ''}, created "
@@ -373,6 +419,7 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
         doc.add(Para(verdict(summary), strong=True), _headline(summary, base, opt),
                 Heading("What this run proves", 3), Para(_plain_words(summary, opt)))
     doc.add(Heading("All configurations"), *_per_config(summary))
+    doc.add(Heading("Throughput: decode and whole run"), *_throughput_blocks(summary))
     if len(summary["configs"]) > 1:
         doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary))
     doc.add(Heading("Batching, expert store and roofline"), *_engine_tables(summary))

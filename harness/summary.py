@@ -24,12 +24,6 @@ from moebench.fileio import read_jsonl
 SCHEMA = "moebench.summary/1"
 MANIFEST_SCHEMA = "moebench.manifest/1"
 FIRST_DIVERGENCE_CAP = 50
-# Step-level bootstraps resample thousands of rows; fewer replicates keep them quick and
-# are plenty for a 95% percentile interval.
-STEP_BOOT = 2_000
-# Below this many trials a bootstrap over trials is meaningless (3 values have 10 distinct
-# resamples), so throughput intervals come from step-level resampling instead.
-MIN_TRIALS_FOR_TRIAL_CI = 3
 
 
 @dataclass
@@ -211,17 +205,26 @@ def per_item(samples: pd.DataFrame, name: str) -> pd.DataFrame:
 
 # ---------------------------------------------------------------- throughput
 
-def _trial_rates(run: RunData, name: str) -> dict[int, float]:
-    """Decode tok/s per trial: decode_tokens / decode_s (trials.jsonl, else summed steps)."""
+# The two throughputs a summary reports for every config, each from its per-trial rates:
+#   decode: tokens generated in decode steps / wall time of those steps (prefill steps left out);
+#   output: every output token / the trial's whole wall time, `vllm bench serve`'s "output token
+#           throughput" (nothing left out: prefill, scheduling and waits all count).
+METRICS = {"decode": ("decode_tokens", "decode_s"), "output": ("output_tokens", "wall_s")}
+METRIC_LABELS = {"decode": "decode tok/s", "output": "output tok/s (whole run)"}
+
+
+def _trial_rates(run: RunData, name: str, metric: str = "decode") -> dict[int, float]:
+    """Rate per trial from trials.jsonl; decode rates, without trials.jsonl, from summed steps."""
+    tok_col, sec_col = METRICS[metric]
     rates: dict[int, float] = {}
-    if run.trials is not None and {"decode_tokens", "decode_s"} <= set(run.trials.columns):
+    if run.trials is not None and {tok_col, sec_col} <= set(run.trials.columns):
         t = run.trials[run.trials["config"] == name]
-        for trial, tok, sec in zip(t["trial"], _num(t, "decode_tokens"), _num(t, "decode_s")):
+        for trial, tok, sec in zip(t["trial"], _num(t, tok_col), _num(t, sec_col)):
             if pd.notna(tok) and pd.notna(sec) and sec > 0:
                 rates[int(trial)] = float(tok) / float(sec)
         if rates:
             return rates
-    dec = _decode_steps(_config_steps(run, name))
+    dec = _decode_steps(_config_steps(run, name)) if metric == "decode" else None
     if dec is not None:
         for trial, g in dec.groupby("trial"):
             sec = float(_num(g, "duration_s").sum())
@@ -230,79 +233,42 @@ def _trial_rates(run: RunData, name: str) -> dict[int, float]:
     return rates
 
 
-def _step_replicates(run: RunData, name: str, seed: int) -> tuple[np.ndarray, float] | None:
-    """Bootstrap replicates of the step-level decode rate and its point value."""
-    dec = _decode_steps(_config_steps(run, name))
-    if dec is None or len(dec) < 2:
+def interval_method(n: int, paired: bool = False) -> str | None:
+    """How an interval over n trials was computed, in words (summary and report)."""
+    if n < 2:
         return None
-    tok = _num(dec, "decode_tokens").to_numpy(float)
-    dur = _num(dec, "duration_s").to_numpy(float)
-    ok = np.isfinite(tok) & np.isfinite(dur)
-    tok, dur = tok[ok], dur[ok]
-    if tok.size < 2 or dur.sum() <= 0:
-        return None
-    reps = stats.bootstrap_rate_replicates(tok, dur, n_boot=STEP_BOOT, seed=seed)
-    return reps, float(tok.sum() / dur.sum())
+    what = "per-trial paired ratios (config / baseline, same trial)" if paired else "per-trial rates"
+    return f"Student t interval on the mean log of {n} {what}, {n - 1} degree{'s' if n > 2 else ''} of freedom"
 
 
-def _scaled_ci(point: float, rel: np.ndarray) -> list[float] | None:
-    """Interval of point x (relative replicates): the steps give the noise, trials the level.
-
-    Step-level rates and trials.jsonl's decode_s can measure slightly different wall time,
-    so only the spread of the step bootstrap is used, centred on the trial-level value.
-    """
-    rel = rel[np.isfinite(rel)]
-    if rel.size == 0 or not math.isfinite(point):
-        return None
-    lo, hi = np.quantile(rel, [0.025, 0.975])
-    return [float(point * lo), float(point * hi)]
-
-
-def _decode_block(run: RunData, name: str, rates: dict[int, float], seed: int) -> dict:
+def _rate_block(rates: dict[int, float]) -> dict:
     values = [rates[t] for t in sorted(rates)]
     block: dict[str, Any] = {"median": float(np.median(values)) if values else None,
                              "ci95": None, "trials": values, "ci_method": None}
-    if not values:
-        return block
-    if len(values) >= MIN_TRIALS_FOR_TRIAL_CI:
-        block["ci95"] = _ci(stats.bootstrap_median_ci(values, seed=seed))
-        block["ci_method"] = "bootstrap over trials"
-    else:
-        reps = _step_replicates(run, name, seed)
-        if reps is not None:
-            block["ci95"] = _scaled_ci(block["median"], reps[0] / reps[1])
-            block["ci_method"] = "bootstrap over decode steps"
+    if len(values) >= 2:
+        block["geomean"], ci = stats.trial_interval(values)
+        block["ci95"] = _ci(ci)
+        block["ci_method"] = interval_method(len(values))
     return block
 
 
-def _output_rate_block(run: RunData, name: str, seed: int) -> dict:
-    values: list[float] = []
-    if run.trials is not None and {"output_tokens", "wall_s"} <= set(run.trials.columns):
-        t = run.trials[run.trials["config"] == name]
-        for tok, sec in zip(_num(t, "output_tokens"), _num(t, "wall_s")):
-            if pd.notna(tok) and pd.notna(sec) and sec > 0:
-                values.append(float(tok) / float(sec))
-    ci = _ci(stats.bootstrap_median_ci(values, seed=seed)) if len(values) >= MIN_TRIALS_FOR_TRIAL_CI else None
-    return {"median": float(np.median(values)) if values else None, "ci95": ci, "trials": values}
-
-
-def _speedup(run: RunData, name: str, base: str, rates: dict[str, dict[int, float]],
-             seed: int) -> dict:
-    rc, rb = rates[name], rates[base]
+def _speedup(rc: dict[int, float], rb: dict[int, float]) -> dict:
+    """Config vs baseline from trials both ran: the median of the per-trial ratios, and a t interval
+    on their logs (see stats.log_t_interval). Without common trials: the ratio of the medians, no
+    interval (unpaired trials carry the machine's drift into the ratio)."""
+    empty = {"median": None, "ci95": None, "trials": [], "ci_method": None}
     if not rc or not rb:
-        return {"median": None, "ci95": None, "ci_method": None}
-    median = float(np.median(list(rc.values())) / np.median(list(rb.values())))
+        return empty
     common = sorted(set(rc) & set(rb))
-    if len(common) >= MIN_TRIALS_FOR_TRIAL_CI:
-        ci = _ci(stats.bootstrap_ratio_of_medians_ci([rc[t] for t in common], [rb[t] for t in common],
-                                                     paired=True, seed=seed))
-        return {"median": median, "ci95": ci, "ci_method": "paired bootstrap over trials"}
-    sc, sb = _step_replicates(run, name, seed), _step_replicates(run, base, seed + 1)
-    if sc is not None and sb is not None:
-        rel = (sc[0] / sc[1]) / (sb[0] / sb[1])
-        return {"median": median, "ci95": _scaled_ci(median, rel),
-                "ci_method": "bootstrap over decode steps"}
-    return {"median": median, "ci95": None, "ci_method": None}
+    if not common:
+        return {**empty, "median": float(np.median(list(rc.values())) / np.median(list(rb.values())))}
+    ratios = [rc[t] / rb[t] for t in common]
+    out = {**empty, "median": float(np.median(ratios)), "trials": ratios}
+    if len(ratios) >= 2:
+        out["geomean"], ci = stats.trial_interval(ratios)
+        out["ci95"] = _ci(ci)
+        out["ci_method"] = interval_method(len(ratios), paired=True)
+    return out
 
 
 # ---------------------------------------------------------------- samples
@@ -395,11 +361,12 @@ def _trial0(run: RunData, name: str) -> dict | None:
 
 
 def _activation(run: RunData, name: str) -> dict:
+    unknown = {"ok": None, "status": "unknown", "not_exercised": [], "evidence": None, "errors": []}
     if run.trials is None:
-        return {"ok": None, "evidence": None, "errors": []}
+        return unknown
     t = run.trials[run.trials["config"] == name]
     if t.empty:
-        return {"ok": None, "evidence": None, "errors": []}
+        return unknown
     if "activation_ok" in t:
         # A trial that does not say it activated counts as not activated.
         ok: bool | None = all(f is True or f == 1 for f in t["activation_ok"].tolist())
@@ -411,8 +378,17 @@ def _activation(run: RunData, name: str) -> dict:
             msg = f"trial {trial}: {e}"
             if msg not in errors:
                 errors.append(msg)
+    # A switch whose evidence depends on the workload (continuous batching's mid-flight admission
+    # needs more requests than slots) may have had nothing to do: "not exercised", never "ok".
+    idle: list[str] = []
+    for errs in t["not_exercised"] if "not_exercised" in t else []:
+        for e in errs if isinstance(errs, list) else []:
+            if e not in idle:
+                idle.append(e)
+    status = {None: "unknown", False: "failed"}.get(ok, "not exercised" if idle else "ok")
     evidence = t.iloc[0].get("evidence")
-    return {"ok": ok, "evidence": evidence if isinstance(evidence, dict) else None, "errors": errors}
+    return {"ok": ok, "status": status, "not_exercised": idle,
+            "evidence": evidence if isinstance(evidence, dict) else None, "errors": errors}
 
 
 # ---------------------------------------------------------------- comparison
@@ -422,7 +398,7 @@ def _first_diff(a: str, b: str) -> int:
 
 
 def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFrame],
-                 rates: dict[str, dict[int, float]], seed: int) -> dict:
+                 rates: dict[str, dict[str, dict[int, float]]], seed: int) -> dict:
     cols = ["output", "answer", "correct"]
     pair = items[base][cols].merge(items[name][cols], how="inner", left_index=True,
                                    right_index=True, suffixes=("_b", "_c"))
@@ -435,7 +411,9 @@ def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFra
     differing_answers = int((pair["answer_b"].astype(str) != pair["answer_c"].astype(str)).sum())
     delta_ci = _ci(stats.paired_accuracy_diff_ci(cb, cc, seed=seed))
     return {
-        "speedup": _speedup(run, name, base, rates, seed),
+        # decode tok/s ratio (`speedup`, the schema's name) and whole-run output tok/s ratio
+        "speedup": _speedup(rates["decode"][name], rates["decode"][base]),
+        "output_speedup": _speedup(rates["output"][name], rates["output"][base]),
         "paired_items": n,
         "accuracy_delta": (cfg_only - base_only) / n * 100 if n else None,
         "accuracy_delta_ci95": [v * 100 for v in delta_ci] if delta_ci else None,
@@ -480,6 +458,16 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def _trial_order(run: RunData) -> str:
+    """'rotated' when trials.jsonl shows configs at different places in their trials' order (the
+    measurement loop rotates it, see moebench.measure), 'fixed' when each kept its place, else
+    'unknown' (no positions recorded)."""
+    if run.trials is None or "position" not in run.trials:
+        return "unknown"
+    pos = run.trials.dropna(subset=["position"]).groupby("config")["position"].nunique()
+    return "unknown" if pos.empty else ("rotated" if (pos > 1).any() else "fixed")
+
+
 def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
     """Summary dict (schema moebench.summary/1) of a results directory; see module doc."""
     run = load_run(Path(run_dir))
@@ -488,7 +476,7 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
     names = run.config_names
     known = set(run.samples["config"])
     items = {n: per_item(run.samples, n) for n in names}
-    rates = {n: _trial_rates(run, n) for n in names}
+    rates = {metric: {n: _trial_rates(run, n, metric) for n in names} for metric in METRICS}
     bandwidth = (m.get("machine") or {}).get("memory_read_gb_s")
 
     configs = []
@@ -496,16 +484,16 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
         name = spec["name"]
         steps = _config_steps(run, name)
         mine = run.samples[run.samples["config"] == name]
-        decode = _decode_block(run, name, rates[name], seed)
+        decode = _rate_block(rates["decode"][name])
         t0 = _trial0(run, name)
         entry = {
             "name": name,
             "kernel": spec.get("kernel"),
             "scheduler": spec.get("scheduler"),
             "prefetch": spec.get("prefetch"),
-            "trials": len(rates[name]) or int(mine["trial"].nunique()),
+            "trials": len(rates["decode"][name]) or int(mine["trial"].nunique()),
             "decode_tokens_per_s": decode,
-            "output_tokens_per_s": _output_rate_block(run, name, seed),
+            "output_tokens_per_s": _rate_block(rates["output"][name]),
             "accuracy": _accuracy(run.samples, items[name], name) if name in known else
             {"correct": 0, "total": 0, "value": None, "ci95": None, "trials_agree": None,
              "correct_per_trial": []},
@@ -538,6 +526,10 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
         "machine": m.get("machine"),
         "git_commit": m.get("git_commit"),
         "configs": configs,
+        # how every throughput and speedup interval above was computed (the report prints it)
+        "intervals": {"method": "Student t on the logs of per-trial values (speedups: per-trial paired ratios)",
+                      "trials": max((len(c["decode_tokens_per_s"]["trials"]) for c in configs), default=0),
+                      "order": _trial_order(run)},
     }
     summary["optimized"] = headline_config(summary)
     for entry in configs:
@@ -601,18 +593,19 @@ def format_p(p: float | None) -> str:
     return f"{p:.3g}"
 
 
-def _speed_phrase(sp: dict) -> str:
+def _speed_phrase(sp: dict, what: str = "") -> str:
     med, ci = sp.get("median"), sp.get("ci95")
+    what = f" {what}" if what else ""
     if med is None:
-        return "speedup unknown (no timing data)"
+        return f"speedup unknown{what} (no timing data)"
     if ci is None:
-        return f"speedup {med:.2f}x (no confidence interval: too few trials and no step data)"
-    span = f"95% CI {ci[0]:.2f}-{ci[1]:.2f}"
+        return f"speedup {med:.2f}x{what} (no confidence interval: one trial)"
+    span = f"95% CI {ci[0]:.2f}-{ci[1]:.2f}, {len(sp.get('trials') or [])} trials"
     if ci[0] > 1:
-        return f"speedup {med:.2f}x ({span})"
+        return f"speedup {med:.2f}x{what} ({span})"
     if ci[1] < 1:
-        return f"slowdown: {med:.2f}x the baseline's speed ({span})"
-    return f"no speed change detected: {med:.2f}x ({span})"
+        return f"slowdown{what}: {med:.2f}x the baseline's speed ({span})"
+    return f"no speed change detected{what}: {med:.2f}x ({span})"
 
 
 def _accuracy_phrase(cfg: dict, base: dict, vb: dict) -> str:
@@ -638,7 +631,10 @@ def verdict(summary: dict, name: str | None = None) -> str:
     vb = cfg.get("vs_baseline")
     if not vb:
         return f"{name} is the baseline"
-    text = f"{_speed_phrase(vb['speedup'])}; {_accuracy_phrase(cfg, config_entry(summary, summary['baseline']), vb)}"
+    text = f"{_speed_phrase(vb['speedup'], 'in decode tok/s')}"
+    if vb.get("output_speedup") and vb["output_speedup"].get("median") is not None:
+        text += f"; {_speed_phrase(vb['output_speedup'], 'in output tok/s over the whole run')}"
+    text += f"; {_accuracy_phrase(cfg, config_entry(summary, summary['baseline']), vb)}"
     if cfg["activation"].get("ok") is False:
         text = f"NOT VALID, an optimization did not activate ({name}); " + text
     return text

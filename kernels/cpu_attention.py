@@ -2,7 +2,8 @@
 
 A decode step's attention on the CPU is a dozen small torch ops per layer (gather the context's
 blocks into a padded copy, a mask, SDPA, transposes); the kernel reads each sequence's keys and
-values from the pool through its block table once, with an online softmax. It ships in the same
+values from the pool through its block table once, with a two-pass softmax (matching SDPA to ~1e-6,
+not bit for bit). It ships in the same
 extension as the fused MoE kernel; where that cannot be built, `paged_decode_attention` returns
 None and the caller keeps the torch path.
 """

@@ -48,6 +48,7 @@ EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attenti
 
 BACKEND_CPP = "cpp-avx2-openmp"
 BACKEND_TORCH = "torch-grouped"
+BACKEND_LOOP = "torch-per-expert-loop"  # inside BACKEND_TORCH, where torch._grouped_mm is unavailable
 
 
 def _build():
@@ -71,12 +72,15 @@ def cpu_backend() -> str:
     return BACKEND_CPP if load_extension() is not None else BACKEND_TORCH
 
 
-def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
+                  backends: dict | None = None) -> Tensor:
     """Fused SwiGLU MoE on CPU. x [N, H]; topk_weights/topk_ids [N, k]; w13 [E, 2I, H]; w2 [E, H, I].
 
     float32 weights (and bfloat16 weights, widened in registers) run in the C++ kernel with
     float32 activations and accumulation; other dtypes, or a missing extension, use the torch
-    fallback. Returns [N, H] in x.dtype.
+    fallback. Returns [N, H] in x.dtype. `backends` (a dict), when given, counts the implementation
+    that computed the call: BACKEND_CPP, BACKEND_TORCH, and BACKEND_LOOP per matmul that fell back
+    from the grouped one to a per-expert loop (the activation evidence of kernel=fused).
     """
     ext = load_extension()
     if (
@@ -91,29 +95,34 @@ def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
         if w2.stride(-1) != 1:
             w2 = w2.contiguous()
         out = ext.fused_moe(xf, topk_weights, topk_ids, w13, w2)
+        if backends is not None:
+            backends[BACKEND_CPP] = backends.get(BACKEND_CPP, 0) + 1
         return out if x.dtype == torch.float32 else out.to(x.dtype)
-    return fused_moe_cpu_torch(x, topk_weights, topk_ids, w13, w2)
+    return fused_moe_cpu_torch(x, topk_weights, topk_ids, w13, w2, backends)
 
 
 def _grouped_mm_ok() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def fused_moe_cpu_torch(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def fused_moe_cpu_torch(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
+                        backends: dict | None = None) -> Tensor:
     """The fused algorithm in torch ops: sort the pairs once, one grouped matmul for gate and up
     together, SiLU(gate) * up, one grouped matmul for down, routed weight, top-k sum.
     No per-expert Python loop when torch._grouped_mm is available (torch >= 2.8 on CPU)."""
     n, k = topk_ids.shape
     e, two_i, h_dim = w13.shape
     inter = two_i // 2
+    if backends is not None:
+        backends[BACKEND_TORCH] = backends.get(BACKEND_TORCH, 0) + 1
     if n == 0:
         return torch.zeros_like(x)
     order, offsets = sort_by_expert(topk_ids, e)
     token = order // k
     xs = x[token].to(w13.dtype)
-    gate_up = _grouped_linear(xs, w13, offsets)
+    gate_up = _grouped_linear(xs, w13, offsets, backends)
     h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    y = _grouped_linear(h, w2, offsets)
+    y = _grouped_linear(h, w2, offsets, backends)
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     # Back to pair order, then the k rows of each token are adjacent: the top-k sum is a view sum.
     y_pairs = torch.empty_like(y)
@@ -121,7 +130,7 @@ def fused_moe_cpu_torch(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: 
     return y_pairs.view(n, k, h_dim).sum(dim=1).to(x.dtype)
 
 
-def _grouped_linear(a: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+def _grouped_linear(a: Tensor, w: Tensor, offsets: Tensor, backends: dict | None = None) -> Tensor:
     """Rows of `a` grouped by expert (offsets [E+1]) times w[e].T for each group."""
     if _grouped_mm_ok() and a.dtype == w.dtype and a.dtype in (torch.float32, torch.bfloat16):
         try:
@@ -129,6 +138,8 @@ def _grouped_linear(a: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
         except RuntimeError as e:  # layout or dtype this build does not support
             log.debug("torch._grouped_mm failed (%s); looping over experts", e)
     # Still one pass per expert over contiguous rows, no masks: only the matmul is per expert.
+    if backends is not None:
+        backends[BACKEND_LOOP] = backends.get(BACKEND_LOOP, 0) + 1
     out = a.new_empty(a.shape[0], w.shape[1])
     bounds = offsets.tolist()
     for expert in range(w.shape[0]):

@@ -24,6 +24,24 @@ def test_slowdown_reaches_only_the_candidate():
     assert run_mod._runtime_for is original
 
 
+def test_the_slowdown_wraps_the_candidates_prefetcher_not_the_engine(tmp_path):
+    """The engine's step has no test hook; the benchmark wraps the candidate's prefetch strategy."""
+    import inspect
+
+    import moebench.engine.llm_engine as engine_mod
+    from moebench.bench_gate import SlowedPrefetcher
+    from moebench.engine import RuntimeConfig, load_checkpoint
+
+    assert "inject_slowdown" not in inspect.getsource(engine_mod)
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "model"))
+    with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
+        _, slowed = engine_mod.make_store_and_prefetcher(ckpt, RuntimeConfig(extra={"inject_slowdown": 0.15}))
+        _, plain = engine_mod.make_store_and_prefetcher(ckpt, RuntimeConfig())
+    assert isinstance(slowed, SlowedPrefetcher) and slowed.slowdown == 0.15 and slowed.last == 1
+    assert not isinstance(plain, SlowedPrefetcher)
+    assert slowed.evidence() == plain.evidence()  # everything but the extra work is the wrapped one's
+
+
 def test_one_tiny_aa_run(tmp_path, gsm8k_dir):
     model = make_tiny_checkpoint(tmp_path / "model")
     write_char_tokenizer(model)
@@ -41,7 +59,7 @@ def test_one_tiny_aa_run(tmp_path, gsm8k_dir):
     assert run["scenario"] == "aa" and isinstance(run["gate_passed"], bool)
     sp = run["speedup"]
     assert sp["median"] > 0 and math.isfinite(sp["median"])
-    assert sp["ci_method"] == "bootstrap over decode steps"  # 2 trials: step-level interval
+    assert "2 per-trial paired ratios" in sp["ci_method"]  # 2 trials: a t interval over them
     assert sp["ci95"][0] <= sp["median"] <= sp["ci95"][1]
     assert len(run["trial_ratios"]) == 2
     names = [r["name"] for r in run["rules"]]

@@ -92,11 +92,13 @@ def test_resident_store_reports_hits_only(ckpt):
     assert all(s["expert_misses"] == 0 and s["bytes_loaded"] == 0 for s in result.steps)
 
 
-def test_budget_one_with_lookahead_is_idle_not_an_error(ckpt, resident):
+def test_budget_one_with_lookahead_is_an_activation_error(ckpt, resident):
+    """An idle prefetcher is no result: it fails activation, saying how to give it work."""
     result = generate(ckpt, expert_budget=1.0, prefetch="lookahead")
     assert [c.output_ids for c in result.completions] == resident
-    assert result.activation_errors == []
     assert "nothing to prefetch" in result.evidence["prefetch"]["lookahead"]
+    (error,) = result.activation_errors
+    assert "nothing to prefetch" in error and "--expert-budget" in error
 
 
 class CountingTier(HostTier):

@@ -85,7 +85,7 @@ def test_steps_derived_metrics(summary):
 def test_verdict(summary):
     assert summary["optimized"] == "all"
     text = summary["verdict"]
-    assert text.startswith("speedup 3.00x (95% CI")
+    assert text.startswith("speedup 3.00x in decode tok/s (95% CI")
     assert "no accuracy change detected: 2 of 40 answers differ" in text
     assert "McNemar p = 0.5" in text
     assert "McNemar p = 1.0" in verdict(summary, "kernel")
@@ -96,15 +96,36 @@ def test_reproducible(run_dir, summary):
     assert build_summary(run_dir) == summary
 
 
-def test_few_trials_use_step_bootstrap(tmp_path):
+def test_two_trials_get_a_t_interval_over_trials_not_steps(tmp_path):
+    """Two trials: the interval is a Student t interval over the two trials (12.7 x their spread),
+    not a bootstrap over decode steps that treats steps as independent."""
     s = build_summary(make_run(tmp_path, configs=("baseline", "kernel"), trials=2))
     k = config_entry(s, "kernel")
-    assert k["decode_tokens_per_s"]["ci_method"] == "bootstrap over decode steps"
-    lo, hi = k["decode_tokens_per_s"]["ci95"]
-    assert lo < k["decode_tokens_per_s"]["median"] < hi
+    block = k["decode_tokens_per_s"]
+    assert block["ci_method"].startswith("Student t interval on the mean log of 2 per-trial rates")
+    lo, hi = block["ci95"]
+    assert lo < block["median"] < hi
     sp = k["vs_baseline"]["speedup"]
-    assert sp["ci_method"] == "bootstrap over decode steps"
-    assert 1.9 < sp["ci95"][0] <= sp["median"] <= sp["ci95"][1] < 2.1
+    assert "2 per-trial paired ratios" in sp["ci_method"]
+    assert len(sp["trials"]) == 2
+    assert sp["ci95"][0] <= sp["median"] <= sp["ci95"][1]
+    assert s["intervals"]["trials"] == 2
+    one = build_summary(make_run(tmp_path / "one", configs=("baseline", "kernel"), trials=1))
+    k1 = config_entry(one, "kernel")
+    assert k1["decode_tokens_per_s"]["ci95"] is None and k1["vs_baseline"]["speedup"]["ci95"] is None
+    assert "no confidence interval: one trial" in one["verdict"]
+
+
+def test_whole_run_output_throughput_beside_decode(summary):
+    """Output tok/s over each trial's whole wall time (prefill included), with its own interval and
+    speedup, next to the decode-only figures."""
+    k = config_entry(summary, "kernel")
+    out = k["output_tokens_per_s"]
+    assert set(out) >= {"median", "ci95", "trials", "ci_method"} and len(out["trials"]) == 3
+    assert out["median"] < k["decode_tokens_per_s"]["median"]  # the prefill time counts
+    osp = k["vs_baseline"]["output_speedup"]
+    assert 1.0 < osp["ci95"][0] <= osp["median"] <= osp["ci95"][1] < k["vs_baseline"]["speedup"]["median"]
+    assert "output tok/s over the whole run" in summary["verdict"]
 
 
 def test_missing_optional_files(tmp_path):
@@ -121,7 +142,7 @@ def test_missing_optional_files(tmp_path):
     neither = build_summary(make_run(tmp_path / "c", write_trials=False, write_steps=False))
     c = config_entry(neither, "kernel")
     assert c["decode_tokens_per_s"]["median"] is None
-    assert c["vs_baseline"]["speedup"] == {"median": None, "ci95": None, "ci_method": None}
+    assert c["vs_baseline"]["speedup"] == {"median": None, "ci95": None, "trials": [], "ci_method": None}
     assert c["accuracy"]["correct"] == 36
     assert "speedup unknown" in neither["verdict"]
     json.dumps(neither, allow_nan=False)

@@ -66,21 +66,26 @@ inline void cpu_relax() {
 
 // Waking a sleeping thread costs tens of microseconds (more on a VM, where the idle vCPU has to be
 // woken by the host), as much as copying an expert; so a worker spins a while for the next load
-// before it sleeps, and so does a thread waiting for a load. The spin yields the core between
-// polls: on a busy machine the thread it waits for may need that very core.
+// before it sleeps, and so does a thread waiting for a load. Spinning pays only on an idle core:
+// the spin yields between polls, and a yield that comes back late means another thread ran on this
+// core in between, i.e. the core is contended; the spinner then stops and sleeps, so that it never
+// takes CPU time from real work (the model's thread, or other jobs on a shared machine).
 using Clock = std::chrono::steady_clock;
+constexpr auto kContendedYield = std::chrono::microseconds(50);
 
 template <class Ready>
 bool spin_until(Ready ready, std::chrono::nanoseconds spin) {
   if (ready()) return true;
   const auto deadline = Clock::now() + spin;
-  while (Clock::now() < deadline) {
+  for (auto now = Clock::now(); now < deadline;) {
     for (int i = 0; i < 64; ++i) {
       if (ready()) return true;
       cpu_relax();
     }
-    // On a busy machine the thread we wait for may share this core: let it run.
     std::this_thread::yield();
+    const auto after = Clock::now();
+    if (after - now > kContendedYield) break;  // someone else wanted this core: sleep instead
+    now = after;
   }
   return ready();
 }
