@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moebench.errors import MoebenchError
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("qwen3_moe", "mixtral", "bailing_hybrid")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,10 @@ def parse_model_config(path: Path) -> ModelConfig:
         raise MoebenchError(
             f"{path}: unknown model_type '{family}' (supported: {', '.join(SUPPORTED_FAMILIES)})"
         )
+    if family == "bailing_hybrid":  # Ling-3.0: its own layer kinds and router (engine/bailing_hybrid.py)
+        from moebench.engine.bailing_hybrid import parse_hybrid_config
+
+        return parse_hybrid_config(raw, Path(path))
     hidden = int(_require(raw, "hidden_size", path))
     heads = int(_require(raw, "num_attention_heads", path))
     num_layers = int(_require(raw, "num_hidden_layers", path))

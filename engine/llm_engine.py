@@ -11,9 +11,9 @@ import torch
 
 from moebench.engine.config import RuntimeConfig
 from moebench.engine.expert_store import make_store_and_prefetcher
-from moebench.engine.kv_cache import BlockManager, KVCache
+from moebench.engine.families import make_cache_and_model
 from moebench.engine.loader import Checkpoint
-from moebench.engine.model import MoeTransformer, build_forward_batch
+from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
 from moebench.engine.routing_stats import RoutingStats
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
@@ -254,13 +254,11 @@ class EngineSession:
         self.engine = engine
         self.arrival = arrival
         self.on_complete = on_complete
-        self.block_manager = BlockManager(num_kv_blocks, rt.kv_block_size)
-        self.kv = KVCache(cfg.num_layers, self.block_manager.num_blocks, rt.kv_block_size, cfg.num_kv_heads,
-                          cfg.head_dim, rt.torch_dtype, rt.device)
+        # the family's block manager, cache and forward (engine/families.py)
+        self.block_manager, self.kv, self.model = make_cache_and_model(engine.ckpt, rt, num_kv_blocks)
         self.stats = RoutingStats(cfg.num_layers, cfg.num_experts)
         self.kernel = make_kernel(rt.kernel)
         self.store, self.prefetcher = make_store_and_prefetcher(engine.ckpt, rt)
-        self.model = MoeTransformer(engine.ckpt, None)
         self.model.moe_block = MoeBlock(self.model.route, self.kernel, self.store, self.prefetcher, self.stats)
         self.scheduler = make_scheduler(rt, self.block_manager)
         if hasattr(self.scheduler, "attach"):

@@ -150,6 +150,10 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
         raise MoebenchError(f"{directory}: not a directory (expected a checkpoint with config.json and *.safetensors)")
     cfg = parse_model_config(directory / "config.json")
     index = _TensorIndex(directory)
+    if cfg.family == "bailing_hybrid":
+        from moebench.engine.bailing_hybrid import load_hybrid_checkpoint
+
+        return load_hybrid_checkpoint(directory, cfg, index, device, dtype, experts_in_checkpoint_dtype)
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return index.get(name, shape).to(device=device, dtype=dtype)

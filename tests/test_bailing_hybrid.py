@@ -1,0 +1,181 @@
+"""Ling-3.0 (`bailing_hybrid`) in the bundled runtime against `transformers` on tiny random checkpoints:
+prefill logits within 1e-4 and 32 greedy tokens identical, at batch 1 and 3 with different prompt
+lengths, with kernel naive and fused, scheduler static and continuous (mid-flight admission and
+preemption included), over shapes that vary the layer pattern, the expert groups and q_lora_rank."""
+
+import json
+
+import pytest
+import torch
+
+from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+from moebench.engine.bailing_hybrid import HybridTransformer, delta_rule_chunked, delta_rule_step, make_hybrid_cache
+from moebench.engine.expert_store import NoPrefetch, ResidentStore
+from moebench.engine.kv_cache import OutOfBlocks
+from moebench.engine.model import build_forward_batch
+from moebench.engine.moe import MoeBlock, make_kernel
+from moebench.engine.routing_stats import RoutingStats
+from moebench.errors import MoebenchError
+from tiny_bailing import SHAPES, add_mtp_layer, make_tiny_bailing
+
+PROMPT_LENGTHS = (5, 11, 37)  # the longest spans two prefill chunks of the KDA recurrence
+NEW_TOKENS = 32
+
+
+def prompts(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def tiny(request, tmp_path_factory):
+    """(checkpoint path, loaded checkpoint, prompts, transformers' prefill logits and greedy tokens per prompt)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_bailing(tmp_path_factory.mktemp(request.param), request.param)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ckpt = load_checkpoint(path)
+    ids_list = prompts(ckpt.config.vocab_size)
+    logits, greedy = [], []
+    with torch.no_grad():
+        for ids in ids_list:
+            logits.append(reference(torch.tensor([ids])).logits[0].float())
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     pad_token_id=0)
+            greedy.append(out[0, len(ids):].tolist())
+    return path, ckpt, ids_list, logits, greedy
+
+
+def engine_prefill_logits(ckpt, ids_list, kernel):
+    cfg = ckpt.config
+    block_manager, cache = make_hybrid_cache(ckpt, 64, 8, 4, torch.float32, "cpu")
+    tables = []
+    for ids in ids_list:
+        table = []
+        block_manager.ensure_capacity(table, len(ids))
+        tables.append(table)
+    model = HybridTransformer(ckpt, None)
+    kernel_impl = make_kernel(kernel)
+    model.moe_block = MoeBlock(model.route, kernel_impl, ResidentStore(ckpt), NoPrefetch(),
+                               RoutingStats(cfg.num_layers, cfg.num_experts))
+    batch = build_forward_batch(ids_list, [0] * len(ids_list), tables, 8, "cpu")
+    return model.forward(batch, cache, all_positions=True), kernel_impl
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefill_logits_match_transformers(tiny, batch, kernel):
+    _, ckpt, ids_list, ref_logits, _ = tiny
+    ours, kernel_impl = engine_prefill_logits(ckpt, ids_list[:batch], kernel)
+    assert kernel_impl.calls > 0
+    offset = 0
+    for ids, ref in zip(ids_list[:batch], ref_logits):
+        got = ours[offset: offset + len(ids)]
+        offset += len(ids)
+        assert (got - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_tokens_match_transformers(tiny, batch, kernel, scheduler):
+    _, ckpt, ids_list, _, greedy = tiny
+    runtime = RuntimeConfig(batch_size=batch, max_new_tokens=NEW_TOKENS, kernel=kernel, scheduler=scheduler)
+    result = Engine(ckpt, None, runtime).generate([Request(f"r{i}", "") for i in range(batch)],
+                                                  prompt_ids=ids_list[:batch])
+    assert [c.output_ids for c in result.completions] == greedy[:batch]
+    assert all(c.finish_reason == "length" for c in result.completions)
+    assert not result.activation_errors, result.activation_errors
+    if kernel == "fused":  # the fused kernel computed every MoE call, with the grouped router's weights and ids
+        ev = result.evidence["kernel"]
+        assert ev["fused_calls"] > 0 and ev.get("naive_calls", 0) == 0
+
+
+def test_continuous_batching_admits_mid_flight_and_preempts_with_recurrent_state(tiny, monkeypatch):
+    """Three requests through two slots: one finishes early and the third joins the running batch;
+    then, with too few KV blocks, a running request is preempted, its state slot freed, and it is
+    recomputed from its prompt. Every output is still transformers' greedy output."""
+    _, ckpt, ids_list, _, greedy = tiny
+    lengths = [NEW_TOKENS, 6, NEW_TOKENS]
+    requests = [Request(f"r{i}", "", n) for i, n in enumerate(lengths)]
+    expected = [g[:n] for g, n in zip(greedy, lengths)]
+
+    runtime = RuntimeConfig(batch_size=2, scheduler="continuous", admission="fifo", max_new_tokens=NEW_TOKENS)
+    result = Engine(ckpt, None, runtime).generate(requests, prompt_ids=ids_list)
+    assert [c.output_ids for c in result.completions] == expected
+    assert result.evidence["scheduler"]["admissions_mid_flight"] > 0
+    assert not result.activation_errors
+
+    # 4-token blocks: the longest request needs 18 of them; 24 make two running requests collide
+    monkeypatch.setattr(Engine, "_kv_blocks", lambda self, seqs: 24)
+    runtime = RuntimeConfig(batch_size=2, scheduler="continuous", admission="fifo", max_new_tokens=NEW_TOKENS,
+                            kv_block_size=4)
+    result = Engine(ckpt, None, runtime).generate(requests, prompt_ids=ids_list)
+    assert [c.output_ids for c in result.completions] == expected
+    ev = result.evidence["scheduler"]
+    assert ev["preemptions"] > 0 and ev["readmissions"] == ev["preemptions"]
+
+
+def test_state_slots_follow_the_block_tables(tiny):
+    _, ckpt, _, _, _ = tiny
+    block_manager, cache = make_hybrid_cache(ckpt, 8, 4, 2, torch.float32, "cpu")
+    a, b, c = [], [], []
+    block_manager.ensure_capacity(a, 5)
+    block_manager.ensure_capacity(b, 3)
+    assert sorted(block_manager.state_slots(torch.tensor([a[0], b[0]])).tolist()) == [0, 1]
+    assert not block_manager.can_fit(c, 2)  # blocks are free, state slots are not
+    with pytest.raises(OutOfBlocks):
+        block_manager.ensure_capacity(c, 2)
+    slot_b = int(block_manager.state_slots(torch.tensor([b[0]])))
+    block_manager.free(b)
+    block_manager.ensure_capacity(c, 2)
+    assert int(block_manager.state_slots(torch.tensor([c[0]]))) == slot_b
+    stale = list(a)
+    block_manager.free(a)
+    with pytest.raises(ValueError):
+        block_manager.free(stale)  # a double free is caught before a slot is given back twice
+    assert len(block_manager.free_state_slots) == 1
+    if ckpt.config.kda_layers:  # the state a request holds does not grow with its length
+        per_request = cache.state_bytes_per_request()
+        assert per_request > 0 and per_request == make_hybrid_cache(ckpt, 64, 4, 2, torch.float32, "cpu")[1] \
+            .state_bytes_per_request()
+
+
+def test_chunked_prefill_recurrence_equals_token_by_token():
+    g = torch.Generator().manual_seed(3)
+    T, h, dk, dv = 45, 2, 5, 3
+    q, k = (torch.nn.functional.normalize(torch.randn(T, h, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(T, h, dv, generator=g)
+    log_decay = -5 * torch.rand(T, h, dk, generator=g)
+    beta = torch.rand(T, h, generator=g)
+    start = torch.randn(h, dk, dv, generator=g)
+    out, final = delta_rule_chunked(q, k, v, log_decay, beta, start.clone(), chunk=16)
+    state = start.clone()[None]
+    for t in range(T):
+        step = delta_rule_step(q[t][None], k[t][None], v[t][None], log_decay[t][None], beta[t][None], state)
+        assert torch.allclose(out[t], step[0], atol=1e-5)
+    assert torch.allclose(final, state[0], atol=1e-5)
+
+
+def test_mtp_layers_in_the_checkpoint_are_loaded_past(tmp_path):
+    path = make_tiny_bailing(tmp_path / "mtp", "g2_ngroup2_topk1")
+    plain = load_checkpoint(path)
+    add_mtp_layer(path)
+    with_mtp = load_checkpoint(path)
+    assert with_mtp.config.num_mtp_layers == 1 and len(with_mtp.layers) == plain.config.num_layers
+    ids = prompts(plain.config.vocab_size)[:1]
+    outputs = [Engine(c, None, RuntimeConfig(batch_size=1, max_new_tokens=4)).generate(
+        [Request("r", "")], prompt_ids=ids).completions[0].output_ids for c in (plain, with_mtp)]
+    assert outputs[0] == outputs[1]
+
+
+def test_bad_configs_are_one_line_errors(tmp_path):
+    path = make_tiny_bailing(tmp_path / "bad", "g2_ngroup2_topk1")
+    config = json.loads((path / "config.json").read_text())
+    for change, message in ((dict(num_expert_group=3), "do not split into n_group=3"),
+                            (dict(topk_group=5), "is not possible"),
+                            (dict(hidden_act="gelu"), "hidden_act 'gelu'")):
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(MoebenchError, match=message):
+            load_checkpoint(path)
