@@ -219,10 +219,27 @@ def test_a_library_stamped_for_another_torch_is_rebuilt_not_loaded(tiny):
     assert "built for torch '1.0.0'" in again.stderr and "rebuilding" in again.stderr
     assert json.loads(stamp_path.read_text())["environment"] == first["environment"]
 
-    stamp_path.unlink()  # a library without its stamp: a build that stopped between the two renames
-    third = run_build(sys.executable, script, source)
-    assert loaded(third)["answer"] == 42
-    assert "no readable stamp" in third.stderr and stamp_path.exists()
+
+def test_what_a_stamp_must_say_before_its_library_is_loaded(tmp_path):
+    env = build.environment()
+    name = "moebench_tiny_0123456789abcdef"
+    library = tmp_path / f"{name}.so"
+    stamp_path = tmp_path / f"{name}.stamp.json"
+    assert build._stamp_problem(library, name, env) == build._NOT_BUILT
+    library.write_bytes(b"a library")
+    assert "no readable stamp" in build._stamp_problem(library, name, env)  # stopped between rename and stamp
+
+    def stamp(**changes):
+        record = {"schema": build.STAMP_SCHEMA, "name": name, "environment": env,
+                  "library_sha256": build._file_sha256(library), **changes}
+        stamp_path.write_text(json.dumps(record))
+        return build._stamp_problem(library, name, env)
+
+    assert stamp() is None
+    assert "torch '1.0.0'" in stamp(environment={**env, "torch": "1.0.0"})
+    assert "prefix '/other/venv'" in stamp(environment={**env, "prefix": "/other/venv"})
+    assert "not for this extension" in stamp(name="moebench_tiny_ffffffffffffffff")
+    assert "not the one its stamp describes" in stamp(library_sha256="0" * 64)
 
 
 # --- interrupted builds --------------------------------------------------------------------------------
