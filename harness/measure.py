@@ -217,7 +217,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         from moebench.run import kept_trials_note  # only whole trials count: resume redoes the rest
 
         console.print(f"interrupted: {kept_trials_note(run_dir, repeats * len(configs))}; "
-                      f"continue with: moebench run --resume {run_dir}")
+                      f"continue with: moebench run --resume {run_dir}", soft_wrap=True)
         raise
     finally:
         backend.close()  # servers it started stop here, on every way out
@@ -272,7 +272,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         )
     out = Console()
     if not out.is_terminal:  # CI logs and pipes: the whole table, not one cut at 80 columns
-        out.width = max(out.width, out.measure(table).maximum)
+        out.width = max(out.width, out.measure(table, options=out.options.update_width(10_000)).maximum)
     out.print(table)
     iv = summary.get("intervals") or {}
     if iv.get("trials"):
