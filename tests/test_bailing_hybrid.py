@@ -179,3 +179,19 @@ def test_bad_configs_are_one_line_errors(tmp_path):
         (path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(MoebenchError, match=message):
             load_checkpoint(path)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+def test_expert_offload_with_lookahead_from_the_grouped_router(tiny, kernel):
+    """Half the experts resident, the rest loaded from host memory on demand or predicted a layer
+    ahead by lookahead (its guess ranks the next layer's router logits): outputs stay transformers'
+    greedy ones, and the prefetches are used."""
+    _, ckpt, ids_list, _, greedy = tiny
+    requests = [Request(f"r{i}", "") for i in range(3)]
+    runtime = RuntimeConfig(batch_size=3, max_new_tokens=NEW_TOKENS, kernel=kernel, expert_budget=0.5,
+                            offload_tier="host", prefetch="lookahead")
+    result = Engine(ckpt, None, runtime).generate(requests, prompt_ids=ids_list)
+    assert [c.output_ids for c in result.completions] == greedy
+    assert not result.activation_errors, result.activation_errors
+    ev = result.evidence["prefetch"]
+    assert ev["store"] == "pooled" and ev["expert_misses"] > 0 and ev["prefetch_hits"] > 0
