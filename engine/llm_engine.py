@@ -315,6 +315,8 @@ class EngineSession:
             "kernel": self.kernel.evidence(),
             "scheduler": {**self.scheduler.evidence(), "kv_block_reuses": self.block_manager.reuses},
             "prefetch": {**self.store.evidence(), **self.prefetcher.evidence()},
+            # decode attention calls by the implementation that ran them (engine/model.py)
+            "attention": dict(getattr(self.model, "attention_backends", {})),
         }
 
     def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:
@@ -323,4 +325,7 @@ class EngineSession:
         errors += scheduler_activation_errors(rt.scheduler, evidence["scheduler"], num_requests, rt.batch_size)
         if hasattr(self.prefetcher, "activation_errors"):
             errors += self.prefetcher.activation_errors(self.store)
+        from moebench.engine.model import decode_attention_errors
+
+        errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype)
         return errors

@@ -174,6 +174,9 @@ class MoeTransformer:
         self.fast_decode_attention = os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "torch"
         # the extension's exact small ops (None: torch ops only)
         self.ops = cpu_step_ops() if ckpt.embed.device.type == "cpu" and ckpt.embed.dtype == torch.float32 else None
+        # decode attention calls (one per layer and decode step) by the implementation that ran them:
+        # the activation evidence of the C++ decode attention (see decode_attention_errors)
+        self.attention_backends: dict[str, int] = {}
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
@@ -186,6 +189,7 @@ class MoeTransformer:
                 self.rope.cos, self.rope.sin, batch.positions, kv.k[layer_idx], kv.v[layer_idx], batch.slot_mapping,
                 batch.context_blocks, batch.context_lens, kv.block_size, self.scale, cfg.sliding_window or 0,
                 cfg.num_heads)
+            self._count_attention("cpp-block")
             return F.linear(out, w.o_proj)
         q, k, v = qkv.split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
@@ -207,8 +211,10 @@ class MoeTransformer:
                                          batch.context_blocks, batch.context_lens, kv.block_size, self.scale,
                                          cfg.sliding_window)
             if out is not None:
+                self._count_attention("cpp-paged")
                 return F.linear(out.view(B, cfg.num_heads * cfg.head_dim), w.o_proj)
         if Lq == 1:
+            self._count_attention("torch-sdpa")
             qp = q.view(B, 1, cfg.num_heads, cfg.head_dim)
         else:
             qp = q.new_zeros(B * Lq, cfg.num_heads, cfg.head_dim)
@@ -223,6 +229,9 @@ class MoeTransformer:
         if Lq != 1:
             out = out[batch.padded_index]
         return F.linear(out, w.o_proj)
+
+    def _count_attention(self, backend: str) -> None:
+        self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
@@ -282,6 +291,21 @@ class MoeTransformer:
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")
+
+
+def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dtype) -> list[str]:
+    """Decode attention on the CPU in float32 is the C++ kernel's; a decode call the torch path ran
+    there fell back (the extension did not build), which is an activation failure unless the user
+    chose it (MOEBENCH_DECODE_ATTENTION=torch) or accepts fallbacks (MOEBENCH_ALLOW_FALLBACK=1)."""
+    from moebench.engine.moe import fallback_allowed
+
+    fell_back = (backends or {}).get("torch-sdpa", 0)
+    if not fell_back or device != "cpu" or dtype != torch.float32 or fallback_allowed():
+        return []
+    if os.environ.get(DECODE_ATTENTION_ENV, "kernel") == "torch":
+        return []
+    return [f"decode attention fell back to torch SDPA in {fell_back} of {sum(backends.values())} calls: the C++ "
+            f"kernel did not run (set {DECODE_ATTENTION_ENV}=torch to accept that)"]
 
 
 def cpu_step_ops():

@@ -238,7 +238,8 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
 # ---------------------------------------------------------------- gate rules
 
 def rule_policy(rule: str, tolerance: float):
-    """(Policy, committed summary or None) that make moebench.gate.evaluate apply `rule`."""
+    """(Policy, committed summary or None) that make moebench.gate.evaluate apply `rule`, to the
+    decode speedup (the one this benchmark was calibrated on, docs/gate.md)."""
     from moebench.policy import Policy
 
     if rule == "regression":
@@ -248,9 +249,9 @@ def rule_policy(rule: str, tolerance: float):
         committed = {"schema": "moebench.summary/1", "baseline": "baseline",
                      "configs": [{"name": "baseline"},
                                  {"name": "candidate", "vs_baseline": {"speedup": {"median": 1.0}}}]}
-        return Policy(config="candidate", min_speedup=0.0, max_slowdown=tolerance), committed
+        return Policy(config="candidate", metric="decode", min_speedup=0.0, max_slowdown=tolerance), committed
     if rule == "noninferiority":
-        return Policy(config="candidate", min_speedup=1.0 - tolerance), None
+        return Policy(config="candidate", metric="decode", min_speedup=1.0 - tolerance), None
     raise ValueError(f"unknown rule {rule!r} (choose from {RULES})")
 
 

@@ -63,7 +63,7 @@ def test_one_tiny_aa_run(tmp_path, gsm8k_dir):
     assert sp["ci95"][0] <= sp["median"] <= sp["ci95"][1]
     assert len(run["trial_ratios"]) == 2
     names = [r["name"] for r in run["rules"]]
-    assert "speedup candidate vs committed baseline" in names
+    assert "speedup candidate (decode tok/s) vs committed baseline" in names
     assert "identical outputs candidate" in names  # the whole gate is judged, not only speed
     assert run["failed_rules"] == [r["name"] for r in run["rules"] if not r["passed"]]
     # A/A with the same switches: same greedy outputs, so only a speed rule could fail.

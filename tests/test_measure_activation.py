@@ -31,7 +31,7 @@ def test_a_small_ablation_checks_every_switch_and_rotates_the_order(tmp_path):
     code, run_dir, result = run(tmp_path, "--ablate", "--limit", 4, "--repeats", 2)
     assert code == 0, result.output
     rows = trials(run_dir)
-    names = ["baseline", "kernel", "scheduler", "prefetch", "all"]
+    names = ["baseline", "kernel", "scheduler", "prefetch", "kernel+scheduler", "all"]
     order = {t: [r["config"] for r in sorted((r for r in rows if r["trial"] == t), key=lambda r: r["position"])]
              for t in (0, 1)}
     assert order == {0: names, 1: names[1:] + names[:1]}  # trial 1 starts one place later
@@ -40,7 +40,7 @@ def test_a_small_ablation_checks_every_switch_and_rotates_the_order(tmp_path):
     status = {c["name"]: c["activation"]["status"] for c in summary["configs"]}
     # 4 requests, batch 16: continuous batching had nothing to admit mid-flight
     assert status == {"baseline": "ok", "kernel": "ok", "scheduler": "not exercised", "prefetch": "ok",
-                      "all": "not exercised"}
+                      "kernel+scheduler": "not exercised", "all": "not exercised"}
     sched = next(c for c in summary["configs"] if c["name"] == "scheduler")["activation"]
     assert "4 requests fit one batch of 16" in sched["not_exercised"][0]
     # the kernel's evidence names the implementation that computed every call
@@ -104,3 +104,54 @@ def test_off_and_lookahead_get_the_same_store(tier):
         store.close()
     assert stores["off"] == stores["lookahead"]
     assert stores["off"][0]["load_workers"] >= 1
+
+
+def test_decode_attention_names_its_backend_and_a_fallback_fails(monkeypatch):
+    import torch
+
+    import moebench.engine.model as model_mod
+    from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+    from moebench.run import bundled_model_path
+
+    monkeypatch.delenv("MOEBENCH_ALLOW_FALLBACK", raising=False)
+    monkeypatch.delenv("MOEBENCH_DECODE_ATTENTION", raising=False)
+    ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32)
+
+    def generate():
+        rt = RuntimeConfig(batch_size=2, max_new_tokens=4)
+        return Engine(ckpt, None, rt).generate([Request("a", ""), Request("b", "")], prompt_ids=[[5, 6, 7], [8, 9]])
+
+    result = generate()
+    backends = result.evidence["attention"]
+    assert set(backends) <= {"cpp-block", "cpp-paged"} and sum(backends.values()) > 0
+    assert result.activation_errors == []
+    monkeypatch.setattr(model_mod, "cpu_step_ops", lambda: None)  # as if the C++ build had failed
+    monkeypatch.setattr(model_mod, "paged_decode_attention", lambda *a, **k: None)
+    result = generate()
+    assert set(result.evidence["attention"]) == {"torch-sdpa"}
+    assert any("decode attention fell back to torch SDPA" in e for e in result.activation_errors)
+    monkeypatch.setenv("MOEBENCH_DECODE_ATTENTION", "torch")  # chosen by the user: a result
+    assert generate().activation_errors == []
+
+
+def test_both_kernels_get_the_same_slots_for_a_byte_budget(tmp_path):
+    """kernel=fused keeps a bfloat16 checkpoint's experts in bfloat16 (the C++ kernel widens them
+    exactly); that must not also buy it twice the slots of the naive loop under a budget in bytes."""
+    import torch
+
+    from moebench.engine import RuntimeConfig, load_checkpoint
+    from moebench.engine.expert_store import make_store_and_prefetcher
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, dtype=torch.bfloat16, num_experts=16, num_hidden_layers=2)
+    ckpt = load_checkpoint(path, dtype=torch.float32, experts_in_checkpoint_dtype=True)
+    eight_float32_experts = 2 * 8 * ckpt.config.expert_param_count * 4  # 2 MoE layers
+    budget = f"{eight_float32_experts / 2**20!r}MiB"
+    seen = {}
+    for kernel in ("naive", "fused"):
+        store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(kernel=kernel, expert_budget=budget))
+        ev = store.evidence()
+        seen[kernel] = (ev.get("slots_per_layer"), ev["expert_dtype"])
+        store.close()
+    assert seen["naive"] == (8, "float32")
+    assert seen["fused"][0] == 8  # was 16 (every expert resident): the budget counted bfloat16 bytes
