@@ -310,6 +310,28 @@ class EngineSession:
     def close(self) -> None:
         self.store.close()
 
+    def token_logprobs(self, ids: list[int]) -> tuple[list[float], list[bool]]:
+        """Scoring, not generation (lm-eval's loglikelihood): for each of ids[1:], its log-probability
+        given the tokens before it, and whether it was the greedy choice. One prefill of the whole
+        sequence with logits at every position; its KV blocks are freed again. Only between steps."""
+        if len(ids) < 2:
+            raise MoebenchError("scoring needs at least two tokens (a context and a continuation)")
+        rt = self.engine.runtime
+        table: list[int] = []
+        self.block_manager.ensure_capacity(table, len(ids))
+        try:
+            batch = build_forward_batch([list(ids)], [0], [table], rt.kv_block_size, rt.device,
+                                        self.engine.cfg.sliding_window, rt.torch_dtype)
+            logits = self.model.forward(batch, self.kv, all_positions=True)[:-1]
+            self.stats.take_step()
+        finally:
+            self.block_manager.free(table)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(ids[1:], device=logprobs.device)
+        picked = logprobs.gather(1, target[:, None])[:, 0]
+        greedy = logprobs.argmax(dim=-1) == target
+        return picked.tolist(), greedy.tolist()
+
     def evidence(self) -> dict:
         return {
             "kernel": self.kernel.evidence(),

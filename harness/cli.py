@@ -31,6 +31,7 @@ from moebench import gate, kernels_cli, report, train_cli  # noqa: E402
 from moebench.bench_engine import bench_engine_command  # noqa: E402
 from moebench.run import run_command  # noqa: E402
 from moebench.serve import serve_command  # noqa: E402
+from moebench.lm_eval_cli import lm_eval_command  # noqa: E402
 from moebench import export_gguf  # noqa: E402
 from moebench.engines import llamacpp  # noqa: E402
 
@@ -40,6 +41,7 @@ app.command("gate")(gate.gate_command)
 app.command("bench-engine")(bench_engine_command)
 app.command("train-bundled")(train_cli.train_bundled_command)
 app.command("serve")(serve_command)
+app.command("lm-eval")(lm_eval_command)
 app.add_typer(kernels_cli.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
 app.add_typer(export_gguf.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
 app.add_typer(llamacpp.cli, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")

@@ -1,0 +1,81 @@
+"""`moebench lm-eval`: lm-eval's own evaluation (`lm_eval.simple_evaluate`) with the bundled
+runtime as its model (`moebench.lm_eval_model`, registered for lm-eval as `moebench`).
+
+Task names: `gsm-synth` (the bundled model's suite, as an lm-eval task), `gsm8k` (lm-eval's gsm8k
+task; from local files when --data or $MOEBENCH_GSM8K_DIR names a GSM8K directory, else from the
+hub), or any task lm-eval knows.
+"""
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moebench.errors import MoebenchError
+
+
+def lm_eval_command(
+    tasks: str = typer.Option(..., "--tasks", help="Comma-separated tasks: gsm-synth, gsm8k, or any lm-eval task name."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="The first N items of each task."),
+    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt (default: the task's; the bundled model's 512-token context needs 0 for gsm8k)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="GSM8K directory with train.jsonl and test.jsonl (else $MOEBENCH_GSM8K_DIR, else the hub)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory. Default: the bundled gsm-synth MoE."),
+    kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive or fused."),
+    scheduler: str = typer.Option("static", "--scheduler", help="Batching: static or continuous."),
+    prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
+    max_gen_toks: int = typer.Option(256, "--max-gen-toks", help="Generation limit when a task gives none."),
+    expert_budget: str = typer.Option("1.0", "--expert-budget", help="Fraction of routed-expert weights kept resident, or a size (8GB)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    threads: int = typer.Option(1, "--threads", help="torch CPU threads (0: torch's choice)."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Write lm-eval's results (and per-item samples) here as JSON."),
+):
+    """Run lm-eval's tasks with the bundled runtime as the model (lm_eval.simple_evaluate)."""
+    import tempfile
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise MoebenchError("--tasks: give at least one task")
+    if limit is not None and limit < 1:
+        raise MoebenchError(f"--limit must be >= 1, got {limit}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise MoebenchError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from moebench.lm_eval_model import MoebenchLM, gsm8k_data_dir, render_tasks
+
+    gsm8k_dir = gsm8k_data_dir(data)
+    with tempfile.TemporaryDirectory(prefix="moebench-lm-eval-") as tmp:
+        render_tasks(Path(tmp), gsm8k_dir)
+        rename = {"gsm-synth": "gsm_synth", "gsm8k": "gsm8k_local" if gsm8k_dir is not None else "gsm8k"}
+        task_names = [rename.get(n, n) for n in names]
+        manager = TaskManager(include_path=tmp)
+        unknown = [n for n in task_names if n not in manager.all_tasks]
+        if unknown:
+            raise MoebenchError(f"--tasks: unknown to lm-eval: {', '.join(unknown)}")
+        lm = MoebenchLM(model=str(model) if model else None, kernel=kernel, scheduler=scheduler, prefetch=prefetch,
+                        batch_size=batch_size, max_gen_toks=max_gen_toks, expert_budget=expert_budget,
+                        device=device, threads=threads or None)
+        try:
+            results = lm_eval.simple_evaluate(model=lm, tasks=task_names, num_fewshot=num_fewshot, limit=limit,
+                                              task_manager=manager, log_samples=output is not None)
+        finally:
+            lm.close()
+    if results is None:
+        raise MoebenchError("lm-eval returned no results")
+    for task, metrics in results["results"].items():
+        shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and "_stderr" not in k}
+        typer.echo(f"{task}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in shown.items()))
+    if lm.activation_errors:
+        raise MoebenchError("activation failed: " + "; ".join(lm.activation_errors))
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        keep = {"results": results["results"], "configs": results.get("configs"), "n-shot": results.get("n-shot"),
+                "samples": results.get("samples"), "moebench": {"switches": lm.runtime.switches(),
+                                                               "evidence": lm.evidence}}
+        output.write_text(json.dumps(keep, indent=1, default=str))
+        typer.echo(f"results: {output}")
