@@ -298,17 +298,17 @@ def load_hybrid_checkpoint(directory: Path, cfg: HybridModelConfig, index, devic
                 layer.w13 = to_huge_pages(get(f"{m}.experts.gate_up_proj", E, 2 * I, H))
                 layer.w2 = to_huge_pages(get(f"{m}.experts.down_proj", E, H, I))
             else:
-                raw = experts_in_checkpoint_dtype
                 first = f"{m}.experts.0.gate_proj.weight"
-                e_device, e_dtype = ("cpu", index.get(first, (I, H)).dtype) if raw else (device, dtype)
-                expert = (lambda n, *shape: index.get(n, shape)) if raw else get
+                e_device, e_dtype = (("cpu", index.get(first, (I, H)).dtype) if experts_in_checkpoint_dtype
+                                     else (device, dtype))
                 layer.w13 = memory.empty((E, 2 * I, H), e_dtype, e_device)
                 layer.w2 = memory.empty((E, H, I), e_dtype, e_device)
                 for e in range(E):
                     names = [f"{m}.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
-                    layer.w13[e, :I] = expert(names[0], I, H)
-                    layer.w13[e, I:] = expert(names[1], I, H)
-                    layer.w2[e] = expert(names[2], H, I)
+                    # copy_ converts the file's dtype on the way: no intermediate tensor per expert
+                    layer.w13[e, :I].copy_(index.get(names[0], (I, H)))
+                    layer.w13[e, I:].copy_(index.get(names[1], (I, H)))
+                    layer.w2[e].copy_(index.get(names[2], (H, I)))
                     expert_sources[(i, e)] = [(index.name_to_file[n], n) for n in names]
             S = I * cfg.num_shared_experts
             if S:

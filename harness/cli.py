@@ -34,6 +34,7 @@ from moebench.serve import serve_command  # noqa: E402
 from moebench.lm_eval_cli import lm_eval_command  # noqa: E402
 from moebench import export_gguf  # noqa: E402
 from moebench.engines import llamacpp  # noqa: E402
+from moebench import synth_models  # noqa: E402
 
 app.command("run")(run_command)
 app.command("report")(report.report_command)
@@ -45,6 +46,7 @@ app.command("lm-eval")(lm_eval_command)
 app.add_typer(kernels_cli.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
 app.add_typer(export_gguf.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
 app.add_typer(llamacpp.cli, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")
+app.add_typer(synth_models.app, name="models", help="Random checkpoints with a named model's structure (models synth).")
 
 
 def _show_flags_plainly(command) -> None:

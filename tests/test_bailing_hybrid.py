@@ -195,3 +195,64 @@ def test_expert_offload_with_lookahead_from_the_grouped_router(tiny, kernel):
     assert not result.activation_errors, result.activation_errors
     ev = result.evidence["prefetch"]
     assert ev["store"] == "pooled" and ev["expert_misses"] > 0 and ev["prefetch_hits"] > 0
+
+
+def test_ling3_flash_scaled_keeps_the_reference_structure(tmp_path):
+    from moebench.engine.bailing_hybrid import parse_hybrid_config
+    from moebench.synth_models import LING3_FLASH, SHAPES
+
+    scaled = SHAPES["ling3-flash-scaled"]["config"]
+    for c in (scaled, LING3_FLASH):
+        assert c["num_local_experts"] // c["num_experts_per_tok"] == 64
+        assert (c["n_group"], c["topk_group"], c["layer_group_size"], c["n_shared_experts"]) == (8, 4, 6, 1)
+        assert c["routed_scaling_factor"] == 2.5
+    cfg = parse_hybrid_config({**scaled, "model_type": "bailing_hybrid", "vocab_size": 100}, tmp_path / "config.json")
+    assert (len(cfg.kda_layers), len(cfg.mla_layers)) == (10, 2) and cfg.mla_layers == [5, 11]
+    assert cfg.dense_layers == (0,)
+
+
+def test_models_synth_writes_a_checkpoint_the_engine_runs_with_its_model_card(tmp_path, gsm8k_dir, monkeypatch,
+                                                                              capsys):
+    """The command's whole path on a narrow version of the shape (the real one takes a minute to write)."""
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+    from moebench import synth_models
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with (gsm8k_dir / "train.jsonl").open() as f:
+        (data / "train.jsonl").write_text("".join(line for _, line in zip(range(200), f)))
+    spec = synth_models.SHAPES["ling3-flash-scaled"]
+    narrow = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                  v_head_dim=8)
+    monkeypatch.setitem(synth_models.SHAPES, "ling3-flash-scaled", {**spec, "config": {**spec["config"], **narrow}})
+    out = tmp_path / "model"
+    runner = CliRunner()
+    result = runner.invoke(app, ["models", "synth", "--out", str(out), "--data", str(data), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["synthetic"] and "route almost uniformly" in card["random_weights_note"]
+    assert card["scale"]["num_local_experts"] == {"reference": 512, "this": 128}
+    assert "route almost uniformly" in (out / "README.md").read_text()
+
+    from moebench.engine.loader import load_tokenizer
+
+    ckpt = load_checkpoint(out)
+    assert ckpt.config.family == "bailing_hybrid" and len(ckpt.config.mla_layers) == 2
+    tokenizer = load_tokenizer(out)
+    completion = Engine(ckpt, tokenizer, RuntimeConfig(batch_size=1, max_new_tokens=4, kernel="fused")).generate(
+        [Request("q", "Natalia sold clips to 48 of her friends in April.")]).completions[0]
+    assert completion.output_tokens >= 1 and completion.prompt_tokens < 20  # BPE, not characters
+
+    import sys
+
+    from moebench.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["moebench", "models", "synth", "--shape", "ling9", "--out", str(tmp_path / "x"),
+                                      "--data", str(data)])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip().count("\n") == 0 and "unknown shape 'ling9'" in err
