@@ -22,6 +22,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _sync_dir(path.parent)
+
+
+def _sync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable: without it a power loss can bring back the old file."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -231,7 +231,7 @@ def test_an_append_that_hits_the_file_size_limit_leaves_no_half_record(tmp_path)
 
 # ---------------------------------------------------------------- 6. Ctrl-C
 
-def test_ctrl_c_reports_complete_trials_kept_and_resume_finishes(model, tmp_path):
+def test_ctrl_c_reports_the_complete_trials_kept(model, tmp_path):
     data = write_data(tmp_path / "data", 48)
     out = tmp_path / "results"
     cmd = [sys.executable, "-c", "from moebench.cli import main; main()",
