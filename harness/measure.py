@@ -200,7 +200,8 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     "position": [c.name for c in trial_order(configs, trial)].index(cfg.name),
                 })
                 steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
-                _write_steps(run_dir, steps)
+                if steps:  # an HTTP engine reports no steps
+                    _write_steps(run_dir, steps)
                 output_tokens = sum(c.output_tokens for c in result.completions)
                 progress.console.print(
                     f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "

@@ -147,6 +147,8 @@ def _active(c: dict) -> str:
 
 
 def _switches(c: dict) -> str:
+    if "server_args" in c:  # a configuration of a server: its own arguments are its switches
+        return " ".join(c["server_args"]) or "(server defaults)"
     return f"{c['kernel']} / {c['scheduler']} / {c['prefetch']}"
 
 
@@ -175,7 +177,7 @@ def _per_config(summary: dict) -> list[Table]:
     return [Table(["config", "trials", "decode tok/s [95% CI]",
                    "speedup [95% CI]", "accuracy [95% CI %]", "Δ accuracy points [95% CI]", "McNemar p",
                    "identical outputs", "active"], speed),
-            Table(["config", "kernel / scheduler / prefetch", "mean TTFT s", "mean TPOT s", "latency P50 / P95 s", "output tokens P50 / P95",
+            Table(["config", "switches", "mean TTFT s", "mean TPOT s", "latency P50 / P95 s", "output tokens P50 / P95",
                    "errors / truncations"], latency)]
 
 
@@ -407,7 +409,9 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
     opt = config_entry(summary, summary["optimized"]) if summary.get("optimized") else None
     model, suite, machine = summary.get("model") or {}, summary.get("suite") or {}, summary.get("machine") or {}
     doc = Doc(f"moebench report: {summary['run_id']}")
-    doc.add(Para(f"Model {model.get('model_type', 'unknown')} ({Path(model.get('path') or '').name}), suite "
+    what = (f"Model {model['model_type']} ({Path(model.get('path') or '').name})" if model.get("model_type")
+            else f"Served model '{model.get('served_model')}' over HTTP (OpenAI API)")
+    doc.add(Para(f"{what}, suite "
                  f"{suite.get('name', 'unknown')} ({summary['n_items']} items, {summary.get('repeats')} "
                  f"trials), machine {machine.get('cpu', 'unknown')}"
                  f"{', GPU ' + str(machine['gpu']) if machine.get('gpu') else ''}, created "

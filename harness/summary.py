@@ -491,6 +491,7 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
             "kernel": spec.get("kernel"),
             "scheduler": spec.get("scheduler"),
             "prefetch": spec.get("prefetch"),
+            **({"server_args": spec["args"]} if "args" in spec else {}),  # a server profile's own arguments
             "trials": len(rates["decode"][name]) or int(mine["trial"].nunique()),
             "decode_tokens_per_s": decode,
             "output_tokens_per_s": _rate_block(rates["output"][name]),

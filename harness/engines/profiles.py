@@ -49,13 +49,14 @@ class Profile:
     """One named configuration of the server: what a switch is to the bundled runtime."""
 
     name: str
-    command: tuple[str, ...]
+    command: tuple[str, ...]  # the server's command with this configuration's arguments
+    args: tuple[str, ...] = ()  # this configuration's own arguments (what sets it apart)
     env: dict = field(default_factory=dict, hash=False)
     evidence: Evidence = Evidence()
     approximate: bool = False
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "engine": "openai", "command": list(self.command),
+        d = {"name": self.name, "engine": "openai", "command": list(self.command), "args": list(self.args),
              "env": dict(self.env), "kernel": None, "scheduler": None, "prefetch": None,
              "evidence": {"log_must": list(self.evidence.log_must),
                           "log_must_not": list(self.evidence.log_must_not),
@@ -192,7 +193,7 @@ def load_profiles(path: Path) -> ProfileFile:
         args = _strings(path, f"{where}.args", entry.get("args"))
         env = {**server_env, **_env(path, f"{where}.env", entry.get("env"))}
         evidence = _evidence(path, f"{where}.evidence", entry.get("evidence"))
-        profile = Profile(name, command + args, env, evidence, bool(entry.get("approximate", False)))
+        profile = Profile(name, command + args, args, env, evidence, bool(entry.get("approximate", False)))
         if entry.get("baseline"):
             if baseline is not None:
                 _fail(path, f"two profiles say baseline = true ({baseline.name}, {name})")
