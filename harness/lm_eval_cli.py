@@ -49,10 +49,11 @@ def lm_eval_command(
 
     gsm8k_dir = gsm8k_data_dir(data)
     with tempfile.TemporaryDirectory(prefix="moebench-lm-eval-") as tmp:
-        render_tasks(Path(tmp), gsm8k_dir)
+        ours = render_tasks(Path(tmp), gsm8k_dir)
         rename = {"gsm-synth": "gsm_synth", "gsm8k": "gsm8k_local" if gsm8k_dir is not None else "gsm8k"}
         task_names = [rename.get(n, n) for n in names]
-        manager = TaskManager(include_path=tmp)
+        # lm-eval's own index of thousands of task files takes half a minute: only when asked for
+        manager = TaskManager(include_path=tmp, include_defaults=not set(task_names) <= set(ours))
         unknown = [n for n in task_names if n not in manager.all_tasks]
         if unknown:
             raise MoebenchError(f"--tasks: unknown to lm-eval: {', '.join(unknown)}")

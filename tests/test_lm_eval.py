@@ -23,6 +23,11 @@ N_SYNTH = 12
 N_GSM8K = 4
 
 
+@pytest.fixture(scope="module")
+def synth_run(tmp_path_factory):
+    return _moebench_run(tmp_path_factory.mktemp("run"), ["--suite", "gsm-synth", "--limit", str(N_SYNTH)], "synth")
+
+
 def _moebench_run(tmp_path, suite_args, name):
     """`moebench run` on the suite; returns {item index: sample} and the summary's accuracy."""
     out = tmp_path / "runs"
@@ -62,28 +67,27 @@ def _check_against_run(results, task, run_samples, run_accuracy, n):
 
 
 def test_local_completions_against_moebench_serve_equals_moebench_run(tmp_path, task_dir, gsm8k_dir_module,
-                                                                       monkeypatch):
+                                                                       synth_run, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    synth_run, synth_acc = _moebench_run(tmp_path, ["--suite", "gsm-synth", "--limit", str(N_SYNTH)], "synth")
+    synth_samples, synth_acc = synth_run
     gsm8k_run, gsm8k_acc = _moebench_run(tmp_path, ["--suite", "gsm8k", "--data", str(gsm8k_dir_module),
                                                     "--num-fewshot", "0", "--limit", str(N_GSM8K)], "gsm8k")
     with ServeProcess(["--scheduler", "continuous", "--kernel", "fused"]) as server:
         args = (f"base_url={server.url}/v1/completions,model=bundled,tokenizer_backend=None,"
                 "tokenized_requests=False,num_concurrent=8,max_retries=1")
+        ours = TaskManager(include_path=str(task_dir), include_defaults=False)
         synth = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["gsm_synth"],
-                                        limit=N_SYNTH, task_manager=TaskManager(include_path=str(task_dir)),
-                                        log_samples=True)
+                                        limit=N_SYNTH, task_manager=ours, log_samples=True)
         gsm8k = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["gsm8k_local"],
-                                        num_fewshot=0, limit=N_GSM8K,
-                                        task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
-    _check_against_run(synth, "gsm_synth", synth_run, synth_acc, N_SYNTH)
+                                        num_fewshot=0, limit=N_GSM8K, task_manager=ours, log_samples=True)
+    _check_against_run(synth, "gsm_synth", synth_samples, synth_acc, N_SYNTH)
     _check_against_run(gsm8k, "gsm8k_local", gsm8k_run, gsm8k_acc, N_GSM8K)
     assert synth_acc["correct"] >= N_SYNTH * 3 // 4  # the bundled model solves its own suite
 
 
-def test_moebench_lm_eval_command_gives_the_same_answers(tmp_path, task_dir):
+def test_moebench_lm_eval_command_gives_the_same_answers(tmp_path, synth_run):
     out = tmp_path / "lm_eval.json"
     r = subprocess.run([sys.executable, "-m", "moebench", "lm-eval", "--tasks", "gsm-synth", "--limit", str(N_SYNTH),
                         "--kernel", "fused", "--scheduler", "continuous", "--batch-size", "4", "--output", str(out)],
@@ -91,14 +95,16 @@ def test_moebench_lm_eval_command_gives_the_same_answers(tmp_path, task_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads(out.read_text())
     assert "gsm_synth: " in r.stdout and results["moebench"]["switches"]["kernel"] == "fused"
-    run_samples, run_acc = _moebench_run(tmp_path, ["--suite", "gsm-synth", "--limit", str(N_SYNTH)], "synth")
-    _check_against_run(results, "gsm_synth", run_samples, run_acc, N_SYNTH)
+    _check_against_run(results, "gsm_synth", *synth_run, N_SYNTH)
 
 
-def test_bad_task_and_sampling_are_one_line_errors(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "moebench", "lm-eval", "--tasks", "no_such_task_here"],
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "moebench", "lm-eval", "--tasks", "gsm-synth", "--limit", "0"],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "unknown to lm-eval: no_such_task_here" in r.stderr
+    assert r.returncode == 2 and r.stderr.strip() == "moebench: error: --limit must be >= 1, got 0"
+    r = subprocess.run([sys.executable, "-m", "moebench", "lm-eval", "--tasks", "gsm8k", "--data", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "train.jsonl: no such file" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
 def test_loglikelihood_matches_transformers_and_knows_the_greedy_answer():
