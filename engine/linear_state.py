@@ -18,7 +18,7 @@ recomputed from its prompt, as its KV would be)."""
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 import torch
 
@@ -30,7 +30,9 @@ class StateBlockManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int):
         super().__init__(num_blocks, block_size)
         self.num_state_slots = num_state_slots
-        self.free_state_slots: deque[int] = deque(range(num_state_slots))
+        # lowest free slot first: the resident requests' slots stay packed at the pool's start, so a
+        # decode batch's states are mostly runs of adjacent rows (updated in place, see slot_runs)
+        self.free_state_slots: list[int] = list(range(num_state_slots))  # a heap
         # first block of a sequence's table -> its state slot (-1: none); a tensor so that a step
         # looks every sequence's slot up in one indexing op
         self.state_slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int64)
@@ -47,7 +49,7 @@ class StateBlockManager(BlockManager):
             raise OutOfBlocks(f"no free recurrent-state slot ({self.num_state_slots} in use)")
         super().ensure_capacity(block_table, num_tokens)
         if starting:
-            self.state_slot_of_block[block_table[0]] = self.free_state_slots.popleft()
+            self.state_slot_of_block[block_table[0]] = heapq.heappop(self.free_state_slots)
             self.peak_state_slots = max(self.peak_state_slots, self.num_state_slots - len(self.free_state_slots))
 
     def free(self, block_table: list[int]) -> None:
@@ -57,7 +59,7 @@ class StateBlockManager(BlockManager):
             slot = int(self.state_slot_of_block[first])
             self.state_slot_of_block[first] = -1
             if slot >= 0:
-                self.free_state_slots.append(slot)
+                heapq.heappush(self.free_state_slots, slot)
 
     def state_slots(self, first_blocks: torch.Tensor) -> torch.Tensor:
         """State slot of each sequence, from its first block ([B] block ids)."""

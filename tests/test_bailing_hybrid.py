@@ -142,12 +142,13 @@ def test_state_slots_follow_the_block_tables(tiny):
             .state_bytes_per_request()
 
 
-def test_chunked_prefill_recurrence_equals_token_by_token():
+@pytest.mark.parametrize("max_decay", [2.0, 30.0])  # chunks within FACTORED_SPAN, and beyond it
+def test_chunked_prefill_recurrence_equals_token_by_token(max_decay):
     g = torch.Generator().manual_seed(3)
     T, h, dk, dv = 45, 2, 5, 3
     q, k = (torch.nn.functional.normalize(torch.randn(T, h, dk, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(T, h, dv, generator=g)
-    log_decay = -5 * torch.rand(T, h, dk, generator=g)
+    log_decay = -max_decay * torch.rand(T, h, dk, generator=g)
     beta = torch.rand(T, h, generator=g)
     start = torch.randn(h, dk, dv, generator=g)
     out, final = delta_rule_chunked(q, k, v, log_decay, beta, start.clone(), chunk=16)
@@ -256,3 +257,45 @@ def test_models_synth_writes_a_checkpoint_the_engine_runs_with_its_model_card(tm
         main()
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.strip().count("\n") == 0 and "unknown shape 'ling9'" in err
+
+
+def decode_logits_with_slots(ckpt, ids_list, continuations, holes: bool):
+    """Prefill, then decode `continuations` token by token; with `holes`, the sequences' state slots
+    are out of order and not adjacent (other requests hold the slots in between)."""
+    cfg = ckpt.config
+    block_manager, cache = make_hybrid_cache(ckpt, 64, 8, 6, torch.float32, "cpu")
+    if holes:  # slots 0..2 taken, then 1 and 0 freed: the sequences get 1, 0, 3
+        others = [[] for _ in range(3)]
+        for table in others:
+            block_manager.ensure_capacity(table, 1)
+        block_manager.free(others[1])
+    tables = []
+    for n, ids in enumerate(ids_list):
+        if holes and n == 1:
+            block_manager.free(others[0])
+        table = []
+        block_manager.ensure_capacity(table, len(ids) + len(continuations[n]))
+        tables.append(table)
+    slots = block_manager.state_slots(torch.tensor([t[0] for t in tables])).tolist()
+    model = HybridTransformer(ckpt, None)
+    model.moe_block = MoeBlock(model.route, make_kernel("naive"), ResidentStore(ckpt), NoPrefetch(),
+                               RoutingStats(cfg.num_layers, cfg.num_experts))
+    model.forward(build_forward_batch(ids_list, [0] * len(ids_list), tables, 8, "cpu"), cache)
+    logits = []
+    for step in range(len(continuations[0])):
+        cached = [len(ids) + step for ids in ids_list]
+        batch = build_forward_batch([[c[step]] for c in continuations], cached, tables, 8, "cpu")
+        logits.append(model.forward(batch, cache))
+    return slots, torch.stack(logits)
+
+
+def test_decode_with_scattered_state_slots_equals_adjacent_ones(tiny):
+    _, ckpt, ids_list, _, greedy = tiny
+    if not ckpt.config.kda_layers:
+        pytest.skip("no KDA layer: no state slots")
+    continuations = [g[:4] for g in greedy]
+    adjacent_slots, adjacent = decode_logits_with_slots(ckpt, ids_list, continuations, holes=False)
+    scattered_slots, scattered = decode_logits_with_slots(ckpt, ids_list, continuations, holes=True)
+    assert adjacent_slots == [0, 1, 2] and scattered_slots == [1, 0, 3]
+    assert (adjacent - scattered).abs().max().item() <= 1e-5
+    assert adjacent[:, :, :].argmax(-1).T.tolist() == [g[1:5] for g in greedy]
