@@ -152,6 +152,20 @@ def test_run_out_under_a_regular_file_fails_at_once(capsys, monkeypatch, tmp_pat
     assert not list(tmp_path.glob("**/manifest.json"))
 
 
+def test_run_out_on_a_read_only_filesystem_fails_at_once(capsys, monkeypatch, tmp_path):
+    """A read-only mount (what root's permissions cannot override); needs the right to mount."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a read-only tmpfs is not permitted here")
+    try:
+        code, _, err = cli(capsys, monkeypatch, "run", "--model", tmp_path / "no-model", "--out", mnt / "results")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    one_line_error(code, err, "--out", "Read-only file system")
+
+
 def test_report_out_unwritable_is_exit_2_not_1(capsys, monkeypatch, tmp_path):
     from fixtures.make_run import make_run
 
