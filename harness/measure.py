@@ -189,6 +189,11 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 idle = not_exercised(cfg, result.evidence, len(requests), base_runtime)
                 if failed:
                     activation_failures.append(f"config '{cfg.name}' trial {trial}: " + "; ".join(failed))
+                # the steps first: the trial's line in trials.jsonl marks it complete, so a kill between
+                # the two leaves an unfinished trial (redone on resume), never a complete one without steps
+                steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
+                if steps:  # an HTTP engine reports no steps
+                    _write_steps(run_dir, steps)
                 append_jsonl(run_dir / "trials.jsonl", {
                     "config": cfg.name, "trial": trial, "wall_s": result.wall_s,
                     "decode_s": decode_s, "decode_tokens": decode_tokens,
@@ -199,9 +204,6 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     "activation_errors": failed, "not_exercised": idle, "expert_load": result.expert_load,
                     "position": [c.name for c in trial_order(configs, trial)].index(cfg.name),
                 })
-                steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
-                if steps:  # an HTTP engine reports no steps
-                    _write_steps(run_dir, steps)
                 output_tokens = sum(c.output_tokens for c in result.completions)
                 progress.console.print(
                     f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
