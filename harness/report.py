@@ -376,7 +376,13 @@ def _plain_words(summary: dict, opt: dict) -> str:
         parts.append(f"Activation is unrecorded for {', '.join(unknown)} (no trials.jsonl), so it is not "
                      "shown that each optimization ran.")
     else:
-        parts.append("Every configuration showed evidence that its optimizations ran.")
+        idle = [c["name"] for c in summary["configs"] if c["activation"].get("not_exercised")]
+        if idle:
+            parts.append(f"Not exercised in {', '.join(idle)}: this workload gave a switched-on optimization no "
+                         "chance to show evidence (for example no more requests than the batch size), so those "
+                         "numbers do not measure it; every other switch showed evidence that it ran.")
+        else:
+            parts.append("Every configuration showed evidence that its optimizations ran.")
     return " ".join(parts)
 
 
