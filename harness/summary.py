@@ -211,11 +211,12 @@ def per_item(samples: pd.DataFrame, name: str) -> pd.DataFrame:
 #           throughput" (nothing left out: prefill, scheduling and waits all count).
 METRICS = {"decode": ("decode_tokens", "decode_s"), "output": ("output_tokens", "wall_s")}
 METRIC_LABELS = {"decode": "decode tok/s", "output": "output tok/s (whole run)"}
+COUNTS = {**METRICS, "requests": ("completed_requests", "wall_s")}  # reported, never compared
 
 
 def _trial_rates(run: RunData, name: str, metric: str = "decode") -> dict[int, float]:
     """Rate per trial from trials.jsonl; decode rates, without trials.jsonl, from summed steps."""
-    tok_col, sec_col = METRICS[metric]
+    tok_col, sec_col = COUNTS[metric]
     rates: dict[int, float] = {}
     if run.trials is not None and {tok_col, sec_col} <= set(run.trials.columns):
         t = run.trials[run.trials["config"] == name]
@@ -495,6 +496,8 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
             "trials": len(rates["decode"][name]) or int(mine["trial"].nunique()),
             "decode_tokens_per_s": decode,
             "output_tokens_per_s": _rate_block(rates["output"][name]),
+            # completed requests / the trial's wall time, `vllm bench serve`'s request throughput
+            "requests_per_s": _rate_block(_trial_rates(run, name, "requests")),
             "accuracy": _accuracy(run.samples, items[name], name) if name in known else
             {"correct": 0, "total": 0, "value": None, "ci95": None, "trials_agree": None,
              "correct_per_trial": []},
