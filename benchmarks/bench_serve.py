@@ -11,6 +11,9 @@ Figures, per round and as medians:
                             request was past its first token (moebench.engines.openai)
   HTTP output tok/s         output tokens / wall time from the first request sent to the last answer
   server decode tok/s       the server's own step records (evidence endpoint), this round's share
+  CPU seconds               in-process: this process's CPU time in generate(); HTTP: the server
+                            process's CPU time (all its threads) and the client's, from /proc; on a
+                            loaded shared machine CPU time is steadier than wall time
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ import statistics
 import subprocess
 import sys
 import time
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all threads) from /proc/PID/stat."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -64,15 +73,19 @@ def main() -> None:
                               tokenizer=tokenizer)
         Engine(ckpt, tokenizer, runtime).generate(requests[:32])  # warm both sides alike
         client.generate(requests[:32])
-        for r in range(a.rounds):
+        for r in range(a.rounds):  # A B, A B, ...: drift on a shared machine hits both alike
+            cpu = time.process_time()
             local = Engine(ckpt, tokenizer, runtime).generate(requests)
+            local_cpu = time.process_time() - cpu
             d_tok, d_s = local.phase_totals("decode_tokens", ("decode", "mixed"))
             out_tok = sum(len(c.output_ids) for c in local.completions)
 
             before = httpx.get(server.url + "/v1/moebench/evidence").json()
+            server_cpu, client_cpu = _cpu_s(server.proc.pid), time.process_time()
             started = time.perf_counter()
             remote = client.generate(requests)
             wall = time.perf_counter() - started
+            server_cpu, client_cpu = _cpu_s(server.proc.pid) - server_cpu, time.process_time() - client_cpu
             after = httpx.get(server.url + "/v1/moebench/evidence").json()
             failed = [c for c in remote.completions if c.error]
             http_tokens = sum(c.output_tokens for c in remote.completions)
@@ -91,6 +104,9 @@ def main() -> None:
                 "inproc_wall_s": local.wall_s,
                 "http_wall_s": wall,
                 "server_step_s": (after["decode_s"] + after["prefill_s"]) - (before["decode_s"] + before["prefill_s"]),
+                "inproc_cpu_s": local_cpu,
+                "server_cpu_s": server_cpu,
+                "client_cpu_s": client_cpu,
                 "identical_outputs": same,
                 "items": len(requests),
                 "failed_requests": len(failed),
@@ -115,12 +131,18 @@ def main() -> None:
         "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
     }
     m = summary["median"]
+    per_round = {
+        "http_output / inproc_output": [r["http_output_tok_s"] / r["inproc_output_tok_s"] for r in rounds],
+        "inproc_cpu / server_cpu": [r["inproc_cpu_s"] / r["server_cpu_s"] for r in rounds],
+    }
+    summary["per_round_ratio_median"] = {k: statistics.median(v) for k, v in per_round.items()}
     summary["ratios"] = {
         "http_decode / inproc_decode": m["http_decode_tok_s"] / m["inproc_decode_tok_s"],
         "http_output / inproc_output": m["http_output_tok_s"] / m["inproc_output_tok_s"],
         "server_decode / inproc_decode": m["server_decode_tok_s"] / m["inproc_decode_tok_s"],
     }
-    print(json.dumps({"median": m, "ratios": summary["ratios"], "load": [load, summary["load_after"]]}, indent=1))
+    print(json.dumps({"median": m, "ratios": summary["ratios"], "per_round_ratio_median": summary["per_round_ratio_median"],
+                      "load": [load, summary["load_after"]]}, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -554,9 +554,9 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
     import asyncio
     import contextlib
 
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @contextlib.asynccontextmanager
@@ -629,25 +629,28 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
                [("", s.m_text_mismatch)])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    async def _body(request: Request):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(f"the body is not valid JSON ({e})", "invalid_json") from None
+    generation_routes = {"/v1/completions": False, "/v1/chat/completions": True}
 
-    async def _serve(request: Request, chat: bool):
-        _ready_or_raise(serving)
-        parsed = parser.parse(await _body(request), chat)
-        if serving.in_server + len(parsed.prompts) > serving.max_queue:
-            serving.m_requests["rejected"] += len(parsed.prompts)
-            raise ApiError(429, f"the server holds {serving.in_server} requests (limit {serving.max_queue}); "
-                           "retry later", "queue_full")
+    @app.api_route("/v1/completions", methods=["GET", "PUT", "PATCH", "DELETE"])
+    @app.api_route("/v1/chat/completions", methods=["GET", "PUT", "PATCH", "DELETE"])
+    async def generation_wrong_method():  # POST goes to `generation` below, before FastAPI's routing
+        raise ApiError(405, "use POST", "method_not_allowed")
+
+    async def generation(scope, receive, send):
+        """POST /v1/completions and /v1/chat/completions as plain ASGI, below FastAPI's routing and
+        middleware: every streamed piece is one `send`, and their layers cost more than the piece."""
+        chat = generation_routes[scope["path"]]
+        try:
+            body = await _read_body(receive)
+            _ready_or_raise(serving)
+            parsed = parser.parse(body, chat)
+            if serving.in_server + len(parsed.prompts) > serving.max_queue:
+                serving.m_requests["rejected"] += len(parsed.prompts)
+                raise ApiError(429, f"the server holds {serving.in_server} requests (limit {serving.max_queue}); "
+                               "retry later", "queue_full")
+        except ApiError as e:
+            await _send_json(send, e.status, e.body())
+            return
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         sink: asyncio.Queue = asyncio.Queue()
         handles = [Handle(f"{rid}-{i}", i, sink, ids, parsed.max_tokens, parsed.stops)
@@ -656,23 +659,69 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
         if log_requests:
             print(f"moebench serve: {rid} {len(handles)} prompt(s), max_tokens {parsed.max_tokens}, "
                   f"stream {parsed.stream}", file=sys.stderr, flush=True)
-        if parsed.stream:
-            return StreamingResponse(_stream(request, handles, sink, rid, chat, parsed),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, sink))
+        done = False
         try:
-            finals = await _collect(request, handles, sink)
-        except asyncio.CancelledError:
-            serving.abort(handles)
-            raise
-        return _full_response(rid, chat, parsed, finals)
+            if parsed.stream:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                        (b"cache-control", b"no-cache")]})
+                try:
+                    async for piece in _stream(handles, sink, rid, chat, parsed):
+                        await send({"type": "http.response.body", "body": piece.encode(), "more_body": True})
+                except ClientGone:
+                    return
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                done = True
+            else:
+                finals = await _collect(handles, sink)
+                done = finals is not None
+                if done:
+                    await _send_json(send, 200, _full_response(rid, chat, parsed, finals))
+        finally:
+            watcher.cancel()
+            if not done:  # the client went away (or the engine failed): free the engine's slots
+                serving.abort(handles)
 
-    async def _collect(request, handles, sink):
+    async def _read_body(receive) -> object:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(400, "the client went away", "disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _bad(f"the body is not valid JSON ({e})", "invalid_json") from None
+
+    async def _watch_disconnect(receive, sink) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        sink.put_nowait(DISCONNECTED)
+
+    async def _send_json(send, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def _collect(handles, sink):
+        """The choices' whole texts, or None when the client went away."""
         texts = [[] for _ in handles]
         finals: list[Event | None] = [None] * len(handles)
         left = len(handles)
         while left:
             event = await sink.get()
-            if event is None:  # aborted
+            if event is DISCONNECTED:
+                return None
+            if event is None:  # aborted by the engine
                 raise ApiError(503, "the request was aborted", "aborted")
             texts[event.index].append(event.text)
             if event.finish_reason is not None:
@@ -696,15 +745,17 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
         return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
                 "choices": choices, "usage": usage}
 
-    async def _stream(request, handles, sink, rid, chat, parsed):
-        """Server-sent events. Pieces that arrived together go out in one write."""
+    async def _stream(handles, sink, rid, chat, parsed):
+        """Server-sent events. Pieces that arrived together go out in one write. Raises ClientGone
+        when the client goes away (the caller then aborts the requests)."""
         head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": int(time.time()), "model": parsed.model}, separators=(",", ":"))[:-1]
         if chat:
             def chunk(index, text, finish):
                 delta = {"content": text} if finish is None else ({"content": text} if text else {})
-                return ("data: " + head + ', "choices": [' + json.dumps(
-                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}) + "]}\n\n")
+                return ("data: " + head + ',"choices":[' + json.dumps(
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish},
+                    separators=(",", ":")) + "]}\n\n")
         else:
             def chunk(index, text, finish):
                 return ('data: ' + head + ',"choices":[{"index":' + str(index) + ',"text":' + json.dumps(text)
@@ -712,55 +763,58 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
 
         finished = 0
         prompt_tokens = completion_tokens = 0
-        try:
-            if chat:
-                yield "".join("data: " + head + ', "choices": [' + json.dumps(
-                    {"index": h.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}) + "]}\n\n" for h in handles)
-            while finished < len(handles):
-                event = await sink.get()
-                out = []
-                while True:
-                    if event is None:
-                        out.append("data: " + json.dumps(ApiError(503, "the request was aborted", "aborted").body())
-                                   + "\n\n")
-                        finished = len(handles)
-                        break
-                    if event.finish_reason is not None:
-                        finished += 1
-                        prompt_tokens += event.prompt_tokens
-                        completion_tokens += event.tokens
-                        if event.text and chat:
-                            out.append(chunk(event.index, event.text, None))
-                            out.append(chunk(event.index, "", event.finish_reason))
-                        else:
-                            out.append(chunk(event.index, event.text, event.finish_reason))
-                    else:
+        if chat:
+            yield "".join("data: " + head + ',"choices":[' + json.dumps(
+                {"index": h.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}, separators=(",", ":")) + "]}\n\n" for h in handles)
+        while finished < len(handles):
+            event = await sink.get()
+            out = []
+            while True:
+                if event is DISCONNECTED:
+                    raise ClientGone
+                if event is None:  # aborted by the engine
+                    out.append("data: " + json.dumps(ApiError(503, "the request was aborted", "aborted").body())
+                               + "\n\n")
+                    finished = len(handles)
+                    break
+                if event.finish_reason is not None:
+                    finished += 1
+                    prompt_tokens += event.prompt_tokens
+                    completion_tokens += event.tokens
+                    if event.text and chat:
                         out.append(chunk(event.index, event.text, None))
-                    try:
-                        event = sink.get_nowait()
-                    except asyncio.QueueEmpty:
-                        break
-                yield "".join(out)
-            tail = ""
-            if parsed.include_usage:
-                tail = ("data: " + head + ', "choices": [], "usage": ' + json.dumps(
-                    {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_tokens + completion_tokens}) + "}\n\n")
-            yield tail + "data: [DONE]\n\n"
-        finally:
-            if finished < len(handles):  # the client went away: free the engine's slots
-                serving.abort(handles)
+                        out.append(chunk(event.index, "", event.finish_reason))
+                    else:
+                        out.append(chunk(event.index, event.text, event.finish_reason))
+                else:
+                    out.append(chunk(event.index, event.text, None))
+                try:
+                    event = sink.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+            yield "".join(out)
+        tail = ""
+        if parsed.include_usage:
+            tail = ("data: " + head + ',"choices":[],"usage":' + json.dumps(
+                {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}) + "}\n\n")
+        yield tail + "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _serve(request, chat=False)
+    async def asgi(scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in generation_routes:
+            await generation(scope, receive, send)
+        else:
+            await app(scope, receive, send)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _serve(request, chat=True)
+    return asgi
 
-    return app
+
+DISCONNECTED = object()  # put in a response's queue when its client goes away
+
+
+class ClientGone(Exception):
+    pass
 
 
 def _ready_or_raise(serving: ServingEngine) -> None:

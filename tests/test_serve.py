@@ -240,7 +240,7 @@ def test_queue_limit_answers_429_and_a_client_that_leaves_frees_its_slot(continu
         asyncio.run(asyncio.sleep(0.05))
     assert "moebench:requests_in_server 0" in metrics
     # that prompt runs to its 400 tokens (seconds) when nobody leaves: it was taken out, not finished
-    assert 'moebench:requests_total{outcome="aborted"} 1' in metrics
+    assert 'moebench:requests_total{outcome="aborted"} 1' in metrics, metrics
 
 
 def test_a_port_in_use_is_a_one_line_error():
