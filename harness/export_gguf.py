@@ -48,23 +48,26 @@ def _is_byte_level(component: dict | None) -> bool:
     return bool(component) and component.get("type") == "ByteLevel"
 
 
-def _pre_tokenizer_name(pre: dict | None, source: Path) -> str:
-    """The llama.cpp pre-tokenizer (`tokenizer.ggml.pre`) that splits text as `pre` does.
+def _pre_tokenizer_name(pre: dict | None, clean_spaces: bool, source: Path) -> str:
+    """The llama.cpp pre-tokenizer (`tokenizer.ggml.pre`) that splits text as `pre` does and
+    cleans up spaces on decoding as `clean_up_tokenization_spaces` says.
 
-    - ByteLevel with its GPT-2 regex -> "gpt2".
-    - Digits(individual_digits) then ByteLevel -> "command-r": llama.cpp splits by `\\p{N}` first,
-      then by the GPT-2 regex inside each piece, which is what that sequence does; of the names
-      with these two regexes it is the one that also turns off "clean up tokenization spaces" on
-      decoding (as our tokenizer_config.json says), so decoded text keeps its spaces as written.
+    llama.cpp knows pre-tokenizers by model name; several names share the same splitting rules
+    and differ only in that flag, so the name is picked by rules and flag, not by model:
+    - ByteLevel with the GPT-2 regex: "gpt-2" (cleans spaces) or "trillion" (keeps them).
+    - Digits(individual_digits) then ByteLevel: llama.cpp splits by `\\p{N}` first, then by the GPT-2
+      regex inside each piece, as that sequence does: "refact" (cleans) or "command-r" (keeps).
     """
-    if _is_byte_level(pre) and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
-        return "gpt2"
+    def byte_level(part: dict | None) -> bool:
+        return _is_byte_level(part) and part.get("use_regex", True) and not part.get("add_prefix_space", False)
+
+    if byte_level(pre):
+        return "gpt-2" if clean_spaces else "trillion"
     if pre and pre.get("type") == "Sequence":
         parts = pre.get("pretokenizers", [])
         if (len(parts) == 2 and parts[0].get("type") == "Digits" and parts[0].get("individual_digits")
-                and _is_byte_level(parts[1]) and parts[1].get("use_regex", True)
-                and not parts[1].get("add_prefix_space", False)):
-            return "command-r"
+                and byte_level(parts[1])):
+            return "refact" if clean_spaces else "command-r"
     raise MoebenchError(
         f"{source}: pre-tokenizer {json.dumps(pre)[:120]} has no llama.cpp equivalent known to the exporter "
         "(supported: ByteLevel, or Digits(individual_digits) then ByteLevel)")
@@ -94,12 +97,20 @@ def tokenizer_fields(model_dir: Path, vocab_size: int) -> dict:
     if max(vocab.values()) >= vocab_size:
         raise MoebenchError(f"{source}: token id {max(vocab.values())} is outside the model's vocabulary of {vocab_size}")
 
+    config_file = model_dir / "tokenizer_config.json"
+    try:
+        tok_config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    except json.JSONDecodeError as e:
+        raise MoebenchError(f"{config_file}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    # transformers' default when the file does not say
+    clean_spaces = bool(tok_config.get("clean_up_tokenization_spaces", True))
+
     kind = model.get("type")
     merges: list[str] = []
     if kind == "BPE":
         if not _is_byte_level(spec.get("decoder")) or model.get("byte_fallback"):
             raise MoebenchError(f"{source}: only byte-level BPE tokenizers are exported (this one is not byte-level)")
-        pre = _pre_tokenizer_name(spec.get("pre_tokenizer"), source)
+        pre = _pre_tokenizer_name(spec.get("pre_tokenizer"), clean_spaces, source)
         # tokenizers writes merges as "a b" strings (older files) or ["a", "b"] pairs (newer files)
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
         spell = lambda text: text  # noqa: E731  (the vocabulary is already in the byte-level alphabet)
@@ -107,7 +118,7 @@ def tokenizer_fields(model_dir: Path, vocab_size: int) -> dict:
         single_chars = [t for t, i in vocab.items() if len(t) == 1 and i not in added]
         if not single_chars:
             raise MoebenchError(f"{source}: a word-level tokenizer is exported only when its tokens are single characters")
-        pre = "gpt2"  # no merges: splitting before them changes nothing
+        pre = "gpt-2" if clean_spaces else "trillion"  # no merges: how text is split first changes nothing
         alphabet = _gpt2_byte_alphabet()
         spell = lambda text: "".join(alphabet[b] for b in text.encode()) if len(text) == 1 else text  # noqa: E731
     else:
@@ -123,9 +134,6 @@ def tokenizer_fields(model_dir: Path, vocab_size: int) -> dict:
             tokens[tid] = spell(text)
             # a word-level vocabulary's multi-character entries (<unk>, padding) can never be produced
             types[tid] = TokenType.NORMAL if kind == "BPE" or len(text) == 1 else TokenType.UNUSED
-
-    config_file = model_dir / "tokenizer_config.json"
-    tok_config = json.loads(config_file.read_text()) if config_file.exists() else {}
 
     def special_id(name: str) -> int | None:
         content = tok_config.get(name)
@@ -212,8 +220,10 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
         writer.add_tokenizer_pre(tok["pre"])
         writer.add_token_list(tok["tokens"])
         writer.add_token_types(tok["types"])
-        if tok["merges"]:
-            writer.add_token_merges(tok["merges"])
+        # llama.cpp's gpt2 tokenizer refuses a file without merges and the gguf package cannot write
+        # an empty list; a merge of two multi-character pieces never fires (BPE starts from single
+        # characters and there is no other merge to build such a piece), so it stands for "none"
+        writer.add_token_merges(tok["merges"] or ["<no-merges> <no-merges>"])
         if tok["eos"] is None:  # as the bundled runtime finds its end of text
             named = [tok["tokens"].index(n) for n in _EOS_NAMES if n in tok["tokens"]]
             tok["eos"] = cfg.eos_token_ids[0] if cfg.eos_token_ids else (named[0] if named else None)
