@@ -69,11 +69,14 @@ class TextStream:
     is not: a stop string must never reach the client. When the sequence finishes, the engine's own
     text (cut at the stop string) is what counts; the pieces sent before are a prefix of it."""
 
-    __slots__ = ("tokenizer", "stops", "prefix_offset", "read_offset", "text", "sent")
+    __slots__ = ("tokenizer", "stops", "stop_heads", "prefix_offset", "read_offset", "text", "sent")
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer = tokenizer
         self.stops = stops
+        # the characters that can end a proper prefix of a stop string: text ending in none of them
+        # holds nothing back (the common case, checked in one set lookup)
+        self.stop_heads = frozenset(ch for stop in stops for ch in stop[:-1])
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""  # decoded so far
@@ -96,6 +99,8 @@ class TextStream:
     def _held_back(self) -> int:
         """Length of the longest end of the text that begins some stop string."""
         text, longest = self.text, 0
+        if not text or text[-1] not in self.stop_heads:
+            return 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(text)), longest, -1):
                 if text.endswith(stop[:k]):

@@ -252,3 +252,31 @@ def test_a_port_in_use_is_a_one_line_error():
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "cannot listen on 127.0.0.1" in r.stderr
+
+
+def test_streamed_pieces_add_up_to_the_final_text_and_never_show_a_stop_string():
+    """TextStream against the engine's rule (the text up to the first stop string), on random
+    texts over a small alphabet where stop strings and their prefixes come up all the time."""
+    import random
+
+    from moebench.serve import TextStream
+
+    class CharTokenizer:  # one character per token id
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = tuple("".join(rng.choice("ab:Q") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3)))
+        ids = [ord(rng.choice("ab:Qx")) for _ in range(rng.randint(1, 30))]
+        stream, shown = TextStream(CharTokenizer(), stops), ""
+        for n in range(1, len(ids) + 1):
+            text = "".join(map(chr, ids[:n]))
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                break
+            shown += stream.advance(ids[:n])
+            assert not any(s in shown for s in stops) and text.startswith(shown)
+        rest, ok = stream.finish(text)
+        assert ok and shown + rest == text
