@@ -185,4 +185,5 @@ def test_random_mixtral_greedy_equals_in_process(llama_server, tmp_path):
             "-c", "512", "--parallel", "1", "-fa", "off", "-ctk", "f32", "-ctv", "f32")
     with _Running(Profile("mixtral", argv), tmp_path / "mx.log") as server:
         got = _greedy_over_http(server.base_url, prompts, new)
+    assert sum(map(len, expected)) >= len(prompts) * new // 2  # long paths compared, not early EOS
     assert got == expected
