@@ -187,3 +187,36 @@ def test_random_mixtral_greedy_equals_in_process(llama_server, tmp_path):
         got = _greedy_over_http(server.base_url, prompts, new)
     assert sum(map(len, expected)) >= len(prompts) * new // 2  # long paths compared, not early EOS
     assert got == expected
+
+
+def test_missing_toolchain_is_one_line_exit_2(tmp_path):
+    """No cmake or compiler on PATH: one line naming what is missing, exit 2, before any download."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": str(tmp_path), "MOEBENCH_CACHE": str(tmp_path / "cache")}
+    env.pop("MOEBENCH_LLAMA_SERVER", None)
+    env.pop("CC", None)
+    env.pop("CXX", None)
+    result = subprocess.run([sys.executable, "-m", "moebench", "engines", "build-llamacpp"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cmake" in lines[0] and "C++ compiler" in lines[0], result.stderr
+    assert not any((tmp_path / "cache").rglob("*.tar.gz")) and not any((tmp_path / "cache").rglob("llama-server"))
+
+
+def test_build_is_keyed_on_the_cpu_flags(monkeypatch, tmp_path):
+    """A build for an AVX-512 CPU is never picked up on one without AVX-512 (GGML_NATIVE does not
+    dispatch at run time), and the same flags find the same build."""
+    from moebench.engines import llamacpp
+
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
+    avx2 = ["avx", "avx2", "fma", "sse4_2"]
+    monkeypatch.setattr(llamacpp, "cpu_features", lambda: avx2)
+    first = llamacpp.build_dir()
+    monkeypatch.setattr(llamacpp, "cpu_features", lambda: sorted(avx2 + ["avx512f", "avx512bw"]))
+    assert llamacpp.build_dir() != first
+    monkeypatch.setattr(llamacpp, "cpu_features", lambda: list(avx2))
+    assert llamacpp.build_dir() == first and first.parent == tmp_path / "llama.cpp"
+    assert llamacpp.LLAMA_CPP_PYTHON_VERSION in first.name

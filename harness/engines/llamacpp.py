@@ -50,8 +50,8 @@ CMAKE_OPTIONS = (
     "-DGGML_CCACHE=OFF",
 )
 BUILD_JOBS = 2
-# measured on a shared 2-core VM of the kind this project runs on (see docs/engines.md)
-BUILD_ESTIMATE = "about 25-35 minutes on 2 busy cores, under 10 on an idle 8-core machine"
+# about 10 CPU-minutes of compiling (measured, docs/engines.md): the wall time depends on the load
+BUILD_ESTIMATE = "about 10 CPU-minutes: ~5-6 min on 2 idle cores, 20-35 min on a busy shared 2-core VM"
 
 cli = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
