@@ -218,8 +218,11 @@ def main(argv=None) -> int:
                 if out != reference[b]:
                     raise MoebenchError(f"batch {b} {name}: output differs from the resident store's "
                                         "(offloading must be exact)")
-                if result.activation_errors:
-                    raise MoebenchError(f"batch {b} {name}: {'; '.join(result.activation_errors)}")
+                errors = result.activation_errors
+                if name == "resident/lookahead":  # idle on purpose: this config measures an idle prefetcher's cost
+                    errors = [e for e in errors if "nothing to prefetch" not in e]
+                if errors:
+                    raise MoebenchError(f"batch {b} {name}: {'; '.join(errors)}")
                 times[b, name].append(per_token)
                 stalls[b, name].append(result.decode_stats["stall_ms_per_token"])
                 cores[b, name].append(result.decode_stats["cores_used"])

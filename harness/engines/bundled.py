@@ -6,10 +6,6 @@ from contextlib import contextmanager
 
 
 class BundledBackend:
-    # A workload with no more requests than the batch size cannot exercise every switch (no
-    # admission mid-flight); measure() applies that rule only to this backend.
-    exercises_all_switches = False
-
     def __init__(self, configs, checkpoints, tokenizer, base_runtime):
         self.configs = configs
         self.checkpoints = checkpoints  # cfg -> the checkpoint it runs (negative controls are quantized)

@@ -25,8 +25,6 @@ class ExternalServer:
 
 
 class HttpBackend:
-    exercises_all_switches = True  # a profile's evidence does not depend on the workload's size
-
     def __init__(self, options: ClientOptions, run_dir: Path, profiles: ProfileFile | None = None,
                  base_url: str | None = None, served_model: str | None = None, tokenizer=None,
                  placeholders: Placeholders | None = None, warmup_requests=()):
