@@ -129,7 +129,13 @@ def _extract_vendored_tree(sdist: Path, dest: Path) -> Path:
         members = [m for m in archive.getmembers() if f"/{VENDORED_TREE}/" in m.name or m.name.endswith(f"/{VENDORED_TREE}")]
         if not members:
             raise MoebenchError(f"{sdist}: no {VENDORED_TREE} in the source distribution")
-        archive.extractall(dest, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links and paths leaving `dest`
+            archive.extractall(dest, members=members, filter="data")
+        else:
+            unsafe = [m.name for m in members if m.issym() or m.islnk() or m.name.startswith("/") or ".." in m.name.split("/")]
+            if unsafe:
+                raise MoebenchError(f"{sdist}: unexpected links or paths in the archive ({unsafe[0]})")
+            archive.extractall(dest, members=members)
     top = members[0].name.split("/", 1)[0]
     return dest / top / VENDORED_TREE
 
