@@ -7,6 +7,9 @@ concurrency), rounds interleaved A B A B on one machine, outputs compared item b
 Figures, per round and as medians:
   in-process decode tok/s   decode tokens / wall time of decode steps (the run's own definition)
   in-process output tok/s   output tokens / wall time of generate()
+  in-process cN ...         the same, with at most N requests in the engine at once (a new one
+                            joins when one finishes), as the HTTP client offers them: the same
+                            workload as the server sees, without HTTP
   HTTP decode tok/s         the client's: tokens after each request's first / time at least one
                             request was past its first token (moebench.engines.openai)
   HTTP output tok/s         output tokens / wall time from the first request sent to the last answer
@@ -31,6 +34,41 @@ def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (all threads) from /proc/PID/stat."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_process_at_concurrency(engine, requests, prompt_ids, concurrency):
+    """Engine steps with at most `concurrency` requests in the engine: one joins between steps for
+    each that finished. Returns (completions in request order, decode tokens, decode s, wall s, steps)."""
+    from moebench.engine.sequence import Sequence
+
+    session = engine.session(max(len(ids) for ids in prompt_ids) + max(r.max_new_tokens for r in requests))
+    started = time.perf_counter()
+    queue = list(range(len(requests)))[::-1]
+
+    def admit():
+        i = queue.pop()
+        session.add(Sequence(requests[i], list(prompt_ids[i]), requests[i].max_new_tokens, time.perf_counter()))
+
+    for _ in range(min(concurrency, len(queue))):
+        admit()
+    decode_tokens = decode_s = 0.0
+    seen = steps = 0
+    try:
+        while session.has_work():
+            record = session.step()
+            steps += 1
+            if record["phase"] != "prefill":
+                decode_tokens += record["decode_tokens"]
+                decode_s += record["duration_s"]
+            while seen < len(session.completions):
+                seen += 1
+                if queue:
+                    admit()
+    finally:
+        session.close()
+    wall = time.perf_counter() - started
+    order = {r.id: i for i, r in enumerate(requests)}
+    return sorted(session.completions, key=lambda c: order[c.id]), decode_tokens, decode_s, wall, steps
 
 
 def main() -> None:
@@ -63,6 +101,7 @@ def main() -> None:
     runtime = RuntimeConfig(kernel=a.kernel, scheduler=a.scheduler, batch_size=a.batch_size,
                             max_new_tokens=a.max_new_tokens)
     requests = [Request(item.id, suite.prompt(item), a.max_new_tokens, tuple(suite.stop)) for item in suite.items]
+    prompt_ids = [tokenizer.encode(r.prompt).ids for r in requests]
     load = os.getloadavg()
 
     rounds = []
@@ -77,6 +116,10 @@ def main() -> None:
             cpu = time.process_time()
             local = Engine(ckpt, tokenizer, runtime).generate(requests)
             local_cpu = time.process_time() - cpu
+            cpu = time.process_time()
+            capped, c_tok, c_s, c_wall, c_steps = in_process_at_concurrency(
+                Engine(ckpt, tokenizer, runtime), requests, prompt_ids, a.concurrency)
+            capped_cpu = time.process_time() - cpu
             d_tok, d_s = local.phase_totals("decode_tokens", ("decode", "mixed"))
             out_tok = sum(len(c.output_ids) for c in local.completions)
 
@@ -90,17 +133,26 @@ def main() -> None:
             failed = [c for c in remote.completions if c.error]
             http_tokens = sum(c.output_tokens for c in remote.completions)
             same = sum(x.text == y.text for x, y in zip(local.completions, remote.completions))
+            same_capped = sum(x.text == y.text for x, y in zip(local.completions, capped))
             row = {
                 "round": r,
                 "inproc_decode_tok_s": d_tok / d_s,
                 "inproc_output_tok_s": out_tok / local.wall_s,
+                "inproc_c_decode_tok_s": c_tok / c_s,
+                "inproc_c_output_tok_s": sum(len(c.output_ids) for c in capped) / c_wall,
                 "http_decode_tok_s": remote.decode_tokens / remote.decode_s,
                 "http_output_tok_s": http_tokens / wall,
                 "server_decode_tok_s": (after["decode_tokens"] - before["decode_tokens"])
                 / max(after["decode_s"] - before["decode_s"], 1e-9),
                 # where the server's time went: steps (prefill + decode) against the client's wall
                 "inproc_steps": len(local.steps),
+                "inproc_c_steps": c_steps,
+                "inproc_c_cpu_s": capped_cpu,
                 "server_steps": after["steps"] - before["steps"],
+                # rows per decode step: how full the server's batches were
+                "server_decode_batch": (after["decode_tokens"] - before["decode_tokens"]) / max(1, (
+                    after["steps"] - before["steps"]) - (after["evidence"]["scheduler"].get("prefill_steps", 0)
+                                                          - before["evidence"]["scheduler"].get("prefill_steps", 0))),
                 "inproc_wall_s": local.wall_s,
                 "http_wall_s": wall,
                 "server_step_s": (after["decode_s"] + after["prefill_s"]) - (before["decode_s"] + before["prefill_s"]),
@@ -108,6 +160,7 @@ def main() -> None:
                 "server_cpu_s": server_cpu,
                 "client_cpu_s": client_cpu,
                 "identical_outputs": same,
+                "identical_outputs_inproc_c": same_capped,
                 "items": len(requests),
                 "failed_requests": len(failed),
                 "output_tokens": [out_tok, http_tokens],
@@ -123,8 +176,9 @@ def main() -> None:
         "workload": f"gsm-synth {a.items} items, max_new_tokens {a.max_new_tokens}, batch {a.batch_size}, "
                     f"kernel {a.kernel}, scheduler {a.scheduler}, concurrency {a.concurrency}, 1 torch thread",
         "load_before": load, "load_after": os.getloadavg(),
-        "median": {k: med(k) for k in ("inproc_decode_tok_s", "inproc_output_tok_s", "http_decode_tok_s",
-                                       "http_output_tok_s", "server_decode_tok_s")},
+        "median": {k: med(k) for k in ("inproc_decode_tok_s", "inproc_output_tok_s", "inproc_c_decode_tok_s",
+                                       "inproc_c_output_tok_s", "http_decode_tok_s", "http_output_tok_s",
+                                       "server_decode_tok_s")},
         "rounds": rounds,
         "server_activation_errors": evidence["activation_errors"],
         "server_backends": evidence["backends"],
@@ -134,6 +188,9 @@ def main() -> None:
     per_round = {
         "http_output / inproc_output": [r["http_output_tok_s"] / r["inproc_output_tok_s"] for r in rounds],
         "inproc_cpu / server_cpu": [r["inproc_cpu_s"] / r["server_cpu_s"] for r in rounds],
+        "http_output / inproc_c_output": [r["http_output_tok_s"] / r["inproc_c_output_tok_s"] for r in rounds],
+        "server_decode / inproc_c_decode": [r["server_decode_tok_s"] / r["inproc_c_decode_tok_s"] for r in rounds],
+        "inproc_c_cpu / server_cpu": [r["inproc_c_cpu_s"] / r["server_cpu_s"] for r in rounds],
     }
     summary["per_round_ratio_median"] = {k: statistics.median(v) for k, v in per_round.items()}
     summary["ratios"] = {
@@ -146,7 +203,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)
-    if any(row["identical_outputs"] != row["items"] or row["failed_requests"] for row in rounds):
+    if any(row["identical_outputs"] != row["items"] or row["identical_outputs_inproc_c"] != row["items"]
+           or row["failed_requests"] for row in rounds):
         sys.exit(1)
 
 
