@@ -11,7 +11,7 @@ import torch
 
 from moebench.engine.config import RuntimeConfig
 from moebench.engine.expert_store import make_store_and_prefetcher
-from moebench.engine.families import make_cache_and_model
+from moebench.engine.families import cache_bytes_per_step, make_cache_and_model, non_expert_bytes_per_step
 from moebench.engine.loader import Checkpoint
 from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
@@ -196,13 +196,12 @@ class Engine:
         if self._read_sizes is None:  # per-model constants, worked out once
             elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
             moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-            attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-            other = (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size) * elt
+            other = non_expert_bytes_per_step(self.ckpt, elt)
             self._read_sizes = (elt, moe_layers, other)
         elt, moe_layers, other = self._read_sizes
         expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * elt
         kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs)
-        kv = kv_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
+        kv = cache_bytes_per_step(cfg, kv_tokens, len(seqs), elt)
         return int(expert_bytes + other + kv)
 
     def _finish_reason(self, s: Sequence, tok: int) -> str | None:

@@ -140,6 +140,11 @@ def test_state_slots_follow_the_block_tables(tiny):
         per_request = cache.state_bytes_per_request()
         assert per_request > 0 and per_request == make_hybrid_cache(ckpt, 64, 4, 2, torch.float32, "cpu")[1] \
             .state_bytes_per_request()
+        # the roofline counts exactly that state per sequence, plus the MLA latents per context token
+        from moebench.engine.families import cache_bytes_per_step
+
+        assert cache_bytes_per_step(ckpt.config, 0, 3, 4) == 3 * per_request
+        assert cache_bytes_per_step(ckpt.config, 10, 3, 4) - 3 * per_request == 10 * cache.latent_bytes_per_token()
 
 
 @pytest.mark.parametrize("max_decay", [2.0, 30.0])  # chunks within FACTORED_SPAN, and beyond it
