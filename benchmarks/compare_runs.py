@@ -2,9 +2,10 @@
 McNemar's exact p. For configurations measured in different runs (for example the bundled runtime
 in-process against llama.cpp's server over HTTP), which `moebench run` itself pairs only within a run.
 
-    python benchmarks/compare_runs.py RUN_A[:CONFIG] RUN_B[:CONFIG] [--trial N]
+    python benchmarks/compare_runs.py RUN_A[:CONFIG] RUN_B[:CONFIG] [--trial N] [--trial-b M]
 
-CONFIG defaults to baseline; --trial picks the trial (default 0) so each item is counted once.
+CONFIG defaults to baseline; --trial picks the trial (default 0) so each item is counted once,
+--trial-b another trial for RUN_B (default: the same).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def main() -> None:
     parser.add_argument("a")
     parser.add_argument("b")
     parser.add_argument("--trial", type=int, default=0)
+    parser.add_argument("--trial-b", type=int, default=None)
     args = parser.parse_args()
     name_a, a = _samples(args.a, args.trial)
-    name_b, b = _samples(args.b, args.trial)
+    name_b, b = _samples(args.b, args.trial if args.trial_b is None else args.trial_b)
     items = sorted(set(a) & set(b))
     only = len(set(a) ^ set(b))
     a_only = sum(a[i]["correct"] and not b[i]["correct"] for i in items)
