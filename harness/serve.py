@@ -166,6 +166,7 @@ class ServingEngine:
         self.in_server = 0  # sequences accepted and not finished (the event loop counts them)
         self._live: dict[int, Handle] = {}  # id(seq) -> handle, engine thread only
         self._thread = threading.Thread(target=self._main, name="moebench-engine", daemon=True)
+        self.on_failure = None  # called on the engine thread if it dies (the server then shuts down)
         self._stopping = False
         # counters for /metrics (written by the engine thread; ints and floats are read whole)
         self.m_requests = {"ok": 0, "aborted": 0, "rejected": 0}
@@ -231,6 +232,8 @@ class ServingEngine:
             print(f"moebench serve: engine thread failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self._live and self.loop is not None:
                 self.loop.call_soon_threadsafe(self._deliver, [(h, None) for h in self._live.values()])
+            if self.on_failure is not None:
+                self.on_failure()
         finally:
             if self.session is not None:
                 self.session.close()
@@ -679,7 +682,11 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 done = True
             else:
-                finals = await _collect(handles, sink)
+                try:
+                    finals = await _collect(handles, sink)
+                except ApiError as e:
+                    await _send_json(send, e.status, e.body())
+                    return
                 done = finals is not None
                 if done:
                     await _send_json(send, 200, _full_response(rid, chat, parsed, finals))
@@ -726,8 +733,8 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
             event = await sink.get()
             if event is DISCONNECTED:
                 return None
-            if event is None:  # aborted by the engine
-                raise ApiError(503, "the request was aborted", "aborted")
+            if event is None:  # the engine took it out
+                raise _taken_out(serving)
             texts[event.index].append(event.text)
             if event.finish_reason is not None:
                 finals[event.index] = Event(event.index, "".join(texts[event.index]), event.tokens,
@@ -778,9 +785,8 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
             while True:
                 if event is DISCONNECTED:
                     raise ClientGone
-                if event is None:  # aborted by the engine
-                    out.append("data: " + json.dumps(ApiError(503, "the request was aborted", "aborted").body())
-                               + "\n\n")
+                if event is None:  # the engine took it out
+                    out.append("data: " + json.dumps(_taken_out(serving).body()) + "\n\n")
                     finished = len(handles)
                     break
                 if event.finish_reason is not None:
@@ -820,6 +826,12 @@ DISCONNECTED = object()  # put in a response's queue when its client goes away
 
 class ClientGone(Exception):
     pass
+
+
+def _taken_out(serving: ServingEngine) -> ApiError:
+    if serving.failed is not None:
+        return ApiError(503, f"engine failed: {serving.failed}", "engine_failed")
+    return ApiError(503, "the request was aborted", "aborted")
 
 
 def _ready_or_raise(serving: ServingEngine) -> None:
@@ -898,6 +910,7 @@ def serve_command(
           f"listening on http://{host}:{bound}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    serving.on_failure = lambda: setattr(server, "should_exit", True)  # a dead engine must not look alive
     server.run(sockets=[sock])
     if serving.failed is not None:
         raise MoebenchError(f"engine failed: {serving.failed}")

@@ -280,3 +280,51 @@ def test_streamed_pieces_add_up_to_the_final_text_and_never_show_a_stop_string()
             assert not any(s in shown for s in stops) and text.startswith(shown)
         rest, ok = stream.finish(text)
         assert ok and shown + rest == text
+
+
+ENGINE_FAILS_AFTER_20_STEPS = """
+import sys
+from moebench.engine import llm_engine
+step, steps = llm_engine.Engine._step, [0]
+def failing_step(self, *args, **kwargs):
+    steps[0] += 1
+    if steps[0] > 20:
+        raise RuntimeError("injected engine failure")
+    return step(self, *args, **kwargs)
+llm_engine.Engine._step = failing_step
+sys.argv = ["moebench", "serve", "--port", "0"]
+from moebench.cli import main
+main()
+"""
+
+
+def test_an_engine_failure_reaches_the_client_and_ends_the_server():
+    """The runtime raising mid-request (a real server whose engine is made to fail): the stream
+    ends with an error event, and the server exits with status 2 instead of looking alive."""
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_FAILS_AFTER_20_STEPS], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if "listening on " in line:
+                url = line.split("listening on ")[1].strip()
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            asyncio.run(asyncio.sleep(0.1))
+        r = httpx.post(url + "/v1/completions", json={"prompt": [7] * 8, "max_tokens": 100, "stream": True},
+                       timeout=60)
+        events = _events(r)
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == "[DONE]"
+        assert proc.wait(timeout=30) == 2
+        assert "moebench: error: engine failed: injected engine failure" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        assert _gone(proc.pid)
