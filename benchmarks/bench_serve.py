@@ -156,6 +156,7 @@ def main() -> None:
                 "inproc_wall_s": local.wall_s,
                 "http_wall_s": wall,
                 "server_step_s": (after["decode_s"] + after["prefill_s"]) - (before["decode_s"] + before["prefill_s"]),
+                "server_idle_s": after["idle_s"] - before["idle_s"],
                 "inproc_cpu_s": local_cpu,
                 "server_cpu_s": server_cpu,
                 "client_cpu_s": client_cpu,

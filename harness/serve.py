@@ -178,6 +178,7 @@ class ServingEngine:
         self.m_prefill_tokens = 0
         self.m_prefill_s = 0.0
         self.m_text_mismatch = 0
+        self.m_idle_s = 0.0  # the engine thread waiting with no request to run
 
     # --- lifecycle (event loop side)
 
@@ -254,7 +255,9 @@ class ServingEngine:
         inbox = self.inbox
         while True:
             if not session.has_work():
+                idle_since = time.perf_counter()
                 message = inbox.get()  # idle: sleep until something arrives
+                self.m_idle_s += time.perf_counter() - idle_since
                 if not self._handle(message):
                     return
                 if self.batch_window_s > 0:
@@ -382,6 +385,7 @@ class ServingEngine:
             "decode_s": self.m_decode_s,
             "prefill_tokens": self.m_prefill_tokens,
             "prefill_s": self.m_prefill_s,
+            "idle_s": self.m_idle_s,
         }
 
 
@@ -631,6 +635,8 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
         metric("decode_seconds_total", "counter", "Wall time of decode steps.", [("", f"{s.m_decode_s:.6f}")])
         metric("prefill_tokens_total", "counter", "Prompt tokens run by prefill steps.", [("", s.m_prefill_tokens)])
         metric("prefill_seconds_total", "counter", "Wall time of prefill steps.", [("", f"{s.m_prefill_s:.6f}")])
+        metric("engine_idle_seconds_total", "counter", "Time the engine thread waited with no request to run.",
+               [("", f"{s.m_idle_s:.6f}")])
         metric("requests_in_server", "gauge", "Requests accepted and not finished.", [("", s.in_server)])
         metric("stream_text_mismatch_total", "counter",
                "Requests whose streamed pieces were not a prefix of the final text (a bug if not 0).",
