@@ -62,6 +62,10 @@ class LookaheadPrefetcher:
         # With every expert resident there is nothing to load: the prefetcher stays idle.
         self.active = isinstance(store, PooledStore) and bool(moe)
         self.plans = 0
+        # Grouped sigmoid routers (Ling-3.0) are guessed by their own routing, bias and groups included
+        from moebench.engine.bailing_hybrid import GroupedRouterGuess
+
+        self.grouped = GroupedRouterGuess(ckpt) if GroupedRouterGuess.applies(ckpt) else None
 
     def _experts(self, h: torch.Tensor, router: torch.Tensor, k: int) -> list[int]:
         """Distinct top-k experts of h @ router over h's tokens, in token order."""
@@ -70,8 +74,10 @@ class LookaheadPrefetcher:
         ids = host_ids(torch.topk(F.linear(h, router), k, dim=-1).indices)
         return list(dict.fromkeys(ids.ravel().tolist()))
 
-    def _plan(self, layer: int, h: torch.Tensor, router: torch.Tensor, k: int) -> None:
-        self.store.prefetch(layer, self._experts(h, router, k))
+    def _plan(self, layer: int, h: torch.Tensor, router: torch.Tensor, k: int, normed_by: int | None = None) -> None:
+        """`normed_by`: h is that layer's MoE input (the early guess), not the residual stream."""
+        guess = self.grouped(layer, h, normed_by, k) if self.grouped else self._experts(h, router, k)
+        self.store.prefetch(layer, guess)
         self.plans += 1
 
     def before_forward(self, h: torch.Tensor) -> None:
@@ -81,7 +87,7 @@ class LookaheadPrefetcher:
     def before_layer(self, layer: int, x: torch.Tensor) -> None:
         router = self.early_routers.get(layer)
         if self.active and router is not None:
-            self._plan(self.next_moe[layer], x, router, self.k)
+            self._plan(self.next_moe[layer], x, router, self.k, normed_by=layer)
 
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)
@@ -96,7 +102,8 @@ class LookaheadPrefetcher:
                              "(the first MoE layer's on the embeddings)",
                 "lookahead_plans": self.plans, "lookahead_per_token": self.k,
                 "lookahead_per_token_first_layer": self.k_first,
-                "lookahead_early": bool(self.early_routers)}
+                "lookahead_early": bool(self.early_routers),
+                "lookahead_router": "grouped sigmoid (bias, groups)" if self.grouped else "top-k of router logits"}
 
     def activation_errors(self, store) -> list[str]:
         from moebench.engine.expert_store import store_activation_errors

@@ -201,6 +201,30 @@ def test_expert_offload_with_lookahead_from_the_grouped_router(tiny, kernel):
     assert not result.activation_errors, result.activation_errors
     ev = result.evidence["prefetch"]
     assert ev["store"] == "pooled" and ev["expert_misses"] > 0 and ev["prefetch_hits"] > 0
+    assert ev["lookahead_router"] == "grouped sigmoid (bias, groups)"
+
+
+def test_lookahead_guesses_with_the_expert_bias_and_groups(tmp_path, monkeypatch):
+    """Where the expert bias moves choices, guessing by the grouped router itself misses far less
+    than ranking raw router logits (measured: 27 vs 78 misses here), and loads less."""
+    from moebench.engine.bailing_hybrid import GroupedRouterGuess
+
+    ckpt = load_checkpoint(make_tiny_bailing(tmp_path / "bias", "g3_ngroup4_topk2_qlora", expert_bias_scale=0.5))
+    ids_list = prompts(ckpt.config.vocab_size)
+    runtime = RuntimeConfig(batch_size=3, max_new_tokens=NEW_TOKENS, kernel="fused", expert_budget=0.5,
+                            offload_tier="host", prefetch="lookahead")
+
+    def run():
+        result = Engine(ckpt, None, runtime).generate([Request(f"r{i}", "") for i in range(3)], prompt_ids=ids_list)
+        return [c.output_ids for c in result.completions], result.evidence["prefetch"]
+
+    grouped_outputs, grouped = run()
+    monkeypatch.setattr(GroupedRouterGuess, "applies", staticmethod(lambda ckpt: False))
+    plain_outputs, plain = run()
+    assert plain["lookahead_router"] == "top-k of router logits"
+    assert grouped_outputs == plain_outputs
+    assert grouped["expert_misses"] * 2 < plain["expert_misses"]
+    assert grouped["prefetch_issued"] < plain["prefetch_issued"]
 
 
 def test_ling3_flash_scaled_keeps_the_reference_structure(tmp_path):
