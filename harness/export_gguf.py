@@ -115,9 +115,12 @@ def tokenizer_fields(model_dir: Path, vocab_size: int) -> dict:
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
         spell = lambda text: text  # noqa: E731  (the vocabulary is already in the byte-level alphabet)
     elif kind == "WordLevel":
-        single_chars = [t for t, i in vocab.items() if len(t) == 1 and i not in added]
-        if not single_chars:
-            raise MoebenchError(f"{source}: a word-level tokenizer is exported only when its tokens are single characters")
+        pre_spec = spec.get("pre_tokenizer") or {}
+        splits_characters = (pre_spec.get("type") == "Split" and pre_spec.get("pattern") == {"String": ""}
+                             and pre_spec.get("behavior") == "Isolated" and not pre_spec.get("invert"))
+        if not splits_characters or spec.get("normalizer"):
+            raise MoebenchError(f"{source}: a word-level tokenizer is exported only when it splits text into single "
+                                "characters (pre-tokenizer Split on \"\", isolated, no normalizer)")
         pre = "gpt-2" if clean_spaces else "trillion"  # no merges: how text is split first changes nothing
         alphabet = _gpt2_byte_alphabet()
         spell = lambda text: "".join(alphabet[b] for b in text.encode()) if len(text) == 1 else text  # noqa: E731

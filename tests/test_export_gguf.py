@@ -158,6 +158,14 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
     no_tokenizer = make_tiny_checkpoint(tmp_path / "n", "qwen3_e6_k2_norm")
     with pytest.raises(MoebenchError, match="tokenizer.json: no such file"):
         export_gguf(no_tokenizer, tmp_path / "n.gguf")
+    words = make_tiny_checkpoint(tmp_path / "w", "qwen3_e6_k2_norm")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word_level = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()  # llama.cpp has no word-level tokenizer
+    word_level.save(str(words / "tokenizer.json"))
+    with pytest.raises(MoebenchError, match="splits text into single characters"):
+        export_gguf(words, tmp_path / "w.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.tmp"))
 
 
