@@ -350,28 +350,12 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
 
 
 def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
-    from moebench.machine import describe_machine, git_commit, package_versions
-
-    return {
-        "schema": "moebench.manifest/1",
-        "run_id": run_dir.name,
-        "command": "moebench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "args": args,
-        "model": {"served_model": backend.served_model, "path": args["model"]},
-        "engine": backend.describe(),
-        "suite": suite_obj.describe(),
-        "configs": [c.to_dict() for c in backend.configs],
-        "baseline": backend.configs[0].name,
-        "runtime": {"engine": "openai", "max_new_tokens": args["max_new_tokens"],
-                    "concurrency": args["concurrency"], "temperature": args["temperature"]},
-        "repeats": args["repeats"],
-        "warmup_items": args["warmup"],
-        "seed": args["seed"],
-        "git_commit": git_commit(),
-        "versions": package_versions(),
-        "machine": describe_machine(),
-    }
+    return _manifest_of(
+        args, run_dir, suite_obj, backend.configs,
+        model={"served_model": backend.served_model, "path": args["model"]},
+        runtime={"engine": "openai", "max_new_tokens": args["max_new_tokens"],
+                 "concurrency": args["concurrency"], "temperature": args["temperature"]},
+        engine=backend.describe())
 
 
 def _parse_budget(text: str) -> float | str:
@@ -439,6 +423,22 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     from moebench.engine.memory import huge_page_bytes
     from moebench.kernels import fused_backend
     from moebench.kernels.cpu_attention import decode_attention_backend
+
+    return _manifest_of(args, run_dir, suite_obj, configs, model=_model_summary(ckpt), runtime={
+        "device": runtime.device, "dtype": str(runtime.torch_dtype).replace("torch.", ""),
+        "batch_size": runtime.batch_size, "max_new_tokens": runtime.max_new_tokens,
+        "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
+        "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
+        # evidence that weights and KV cache landed in huge pages (engine/memory.py)
+        "huge_page_bytes": huge_page_bytes(),
+        # which implementations run (a compiled kernel, or the torch fallback)
+        "fused_moe_backend": fused_backend(runtime.device),
+        "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
+    })
+
+
+def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
+    """manifest.json: what ran, on what, from which command, code and packages."""
     from moebench.machine import describe_machine, git_commit, package_versions
 
     return {
@@ -447,21 +447,12 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         "command": "moebench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "args": args,
-        "model": _model_summary(ckpt),
+        "model": model,
+        **extra,
         "suite": suite_obj.describe(),
         "configs": [c.to_dict() for c in configs],
         "baseline": configs[0].name,
-        "runtime": {
-            "device": runtime.device, "dtype": str(runtime.torch_dtype).replace("torch.", ""),
-            "batch_size": runtime.batch_size, "max_new_tokens": runtime.max_new_tokens,
-            "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
-            "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
-            # evidence that weights and KV cache landed in huge pages (engine/memory.py)
-            "huge_page_bytes": huge_page_bytes(),
-            # which implementations run (a compiled kernel, or the torch fallback)
-            "fused_moe_backend": fused_backend(runtime.device),
-            "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
-        },
+        "runtime": runtime,
         "repeats": args["repeats"],
         "warmup_items": args["warmup"],
         "seed": args["seed"],
