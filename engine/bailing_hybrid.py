@@ -126,6 +126,9 @@ def parse_hybrid_config(raw: dict, path: Path) -> HybridModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     q_lora = raw.get("q_lora_rank")
+    conv_kernel = int(_field(raw, path, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4))
+    if conv_kernel < 2:
+        raise MoebenchError(f"{path}: short_conv_kernel_size {conv_kernel} is not supported (at least 2)")
     return HybridModelConfig(
         family=FAMILY,
         vocab_size=int(_field(raw, path, "vocab_size", required=True)),
@@ -157,7 +160,7 @@ def parse_hybrid_config(raw: dict, path: Path) -> HybridModelConfig:
         # transformers writes linear_* beside head_dim, which it overwrites with qk_rope_head_dim
         kda_heads=int(_field(raw, path, "linear_num_heads", "num_attention_heads")),
         kda_head_dim=int(_field(raw, path, "linear_head_dim", "head_dim", required=True)),
-        conv_kernel=int(_field(raw, path, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4)),
+        conv_kernel=conv_kernel,
         kda_safe_gate=bool(raw.get("kda_safe_gate", True)),
         kda_lower_bound=float(raw.get("kda_lower_bound", -5.0)),
         n_group=n_group,

@@ -181,7 +181,8 @@ def test_bad_configs_are_one_line_errors(tmp_path):
     config = json.loads((path / "config.json").read_text())
     for change, message in ((dict(num_expert_group=3), "do not split into n_group=3"),
                             (dict(topk_group=5), "is not possible"),
-                            (dict(hidden_act="gelu"), "hidden_act 'gelu'")):
+                            (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+                            (dict(kv_lora_rank=13), r"model.safetensors: tensor '.*kv_a_proj_with_mqa.weight' has shape")):
         (path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(MoebenchError, match=message):
             load_checkpoint(path)
