@@ -461,19 +461,22 @@ class HybridTransformer:
         # each head's query in latent space: q_nope @ W_uk[h]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [N, heads, lora]
         query = torch.cat([q_latent, q_rot], dim=-1)
+        context = cache.gather_latent(i, batch.context_blocks)  # [B, ctx, lora + rope]
         if Lq == 1:
-            query = query.view(B, 1, heads, lora + rope)
+            # every head attends to the same latents: two batched matmuls over [heads, ctx], where
+            # SDPA would first expand the one latent "head" to all of them
+            scores = torch.baddbmm(batch.attn_bias[:, 0], query.view(B, heads, lora + rope), context.transpose(1, 2),
+                                   alpha=self.mla_scale)  # [B, heads, ctx]
+            out = torch.bmm(torch.softmax(scores, dim=-1), context[..., :lora])  # [B, heads, lora]
         else:
             padded = query.new_zeros(B * Lq, heads, lora + rope)
             padded[batch.padded_index] = query
             query = padded.view(B, Lq, heads, lora + rope)
-        context = cache.gather_latent(i, batch.context_blocks)[:, None]  # [B, 1, ctx, lora + rope]
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), context, context[..., :lora], attn_mask=batch.attn_bias,
-            scale=self.mla_scale, enable_gqa=True)  # [B, heads, Lq, lora]
-        out = out.transpose(1, 2).reshape(B * Lq, heads, lora)
-        if Lq != 1:
-            out = out[batch.padded_index]
+            context = context[:, None]
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2), context, context[..., :lora], attn_mask=batch.attn_bias,
+                scale=self.mla_scale, enable_gqa=True)  # [B, heads, Lq, lora]
+            out = out.transpose(1, 2).reshape(B * Lq, heads, lora)[batch.padded_index]
         out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         out = out * torch.sigmoid(gate.float()).to(out.dtype).unsqueeze(-1)
         return F.linear(out.reshape(N, heads * cfg.v_head_dim), w.o_proj, w.o_bias)
