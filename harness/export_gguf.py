@@ -152,6 +152,8 @@ def tokenizer_fields(model_dir: Path, vocab_size: int) -> dict:
 
 def _unsupported(cfg) -> str | None:
     """Why llama.cpp's architecture would compute something else than this checkpoint, if it would."""
+    if cfg.family not in GGUF_ARCHITECTURES:
+        return f"model_type '{cfg.family}' (the export writes {', '.join(GGUF_ARCHITECTURES)})"
     if cfg.attention_bias:
         return "attention biases"
     if cfg.sliding_window is not None:

@@ -329,3 +329,11 @@ def test_decode_with_scattered_state_slots_equals_adjacent_ones(tiny):
     assert adjacent_slots == [0, 1, 2] and scattered_slots == [1, 0, 3]
     assert (adjacent - scattered).abs().max().item() <= 1e-5
     assert adjacent[:, :, :].argmax(-1).T.tolist() == [g[1:5] for g in greedy]
+
+
+def test_gguf_export_refuses_the_family_in_one_line(tmp_path):
+    from moebench.export_gguf import export_gguf
+
+    path = make_tiny_bailing(tmp_path / "gguf", "g2_ngroup2_topk1")
+    with pytest.raises(MoebenchError, match="model_type 'bailing_hybrid'.*does not support"):
+        export_gguf(path, tmp_path / "out.gguf")
