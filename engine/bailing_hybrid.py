@@ -218,7 +218,7 @@ def load_hybrid_checkpoint(directory: Path, cfg: HybridModelConfig, index, devic
                            experts_in_checkpoint_dtype: bool = False):
     """Weights of a `bailing_hybrid` checkpoint, in Ling's own tensor names (as transformers saves
     them) or transformers' in-memory names."""
-    from moebench.engine.loader import _SAFETENSORS_DTYPES, Checkpoint
+    from moebench.engine.loader import assemble_checkpoint
 
     def pick(*names: str) -> str:
         for n in names:
@@ -332,19 +332,8 @@ def load_hybrid_checkpoint(directory: Path, cfg: HybridModelConfig, index, devic
                 setattr(layer, name, to_huge_pages(value))
         layers.append(layer)
 
-    tied = lm_head is embed
-    embed = to_huge_pages(embed)
-    return Checkpoint(
-        path=directory,
-        config=cfg,
-        embed=embed,
-        final_norm=get("model.norm.weight", H),
-        lm_head=embed if tied else to_huge_pages(lm_head),
-        layers=layers,
-        checkpoint_dtype=_SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32),
-        files=index.files(),
-        expert_sources=expert_sources,
-    )
+    return assemble_checkpoint(directory, cfg, embed, lm_head, get("model.norm.weight", H), layers,
+                               checkpoint_dtype, index.files(), expert_sources)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

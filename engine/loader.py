@@ -219,22 +219,29 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
             layer.dense_w2 = get(f"{m}.down_proj.weight", H, D)
         layers.append(layer)
 
-    tied = lm_head is embed
-    embed = to_huge_pages(embed)
     for layer in layers:
         layer.stack_qkv()
         for name, value in vars(layer).items():
             if isinstance(value, torch.Tensor) and name not in _PLACED:
                 setattr(layer, name, to_huge_pages(value))
+    return assemble_checkpoint(directory, cfg, embed, lm_head, get("model.norm.weight", H), layers,
+                               checkpoint_dtype, index.files(), expert_sources)
+
+
+def assemble_checkpoint(directory, cfg, embed, lm_head, final_norm, layers, checkpoint_dtype, files,
+                        expert_sources) -> "Checkpoint":
+    """The loaded pieces as a Checkpoint, embeddings in huge pages (a tied head shares them)."""
+    tied = lm_head is embed
+    embed = to_huge_pages(embed)
     return Checkpoint(
         path=directory,
         config=cfg,
         embed=embed,
-        final_norm=get("model.norm.weight", H),
+        final_norm=final_norm,
         lm_head=embed if tied else to_huge_pages(lm_head),
         layers=layers,
         checkpoint_dtype=_SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32),
-        files=index.files(),
+        files=files,
         expert_sources=expert_sources,
     )
 
