@@ -926,81 +926,42 @@ def serve_command(
 
 
 class ServeProcess:
-    """`moebench serve ARGS --port 0` as a child process in its own process group, for tests and
-    benchmarks: `with ServeProcess([...]) as server: server.url`. Leaving the block kills the
-    group and waits for it, whatever happened inside."""
+    """`moebench serve ARGS` as a child process on a free loopback port, for tests and benchmarks:
+    `with ServeProcess([...]) as server: server.url`. It is a `ServerProcess` (moebench.engines):
+    its own process group, killed with its group when the block is left, whatever happened inside."""
 
     def __init__(self, args: list[str], startup_timeout_s: float = 180.0, log_path: Path | None = None):
         self.args = list(args)
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
-        self.proc = None
-        self.url = None
+        self.server = None
 
     def __enter__(self) -> "ServeProcess":
-        import os
-        import subprocess
         import tempfile
 
-        argv = [sys.executable, "-m", "moebench", "serve", "--host", "127.0.0.1", "--port", "0", *self.args]
+        from moebench.engines.profiles import Profile
+        from moebench.engines.server import Placeholders, ServerProcess
+
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="moebench-serve-", suffix=".log")[1])
-        self._log = open(self.log_path, "w+b")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        command = (sys.executable, "-m", "moebench", "serve", "--host", "{host}", "--port", "{port}", *self.args)
+        self.server = ServerProcess(Profile("serve", command, env={"PYTHONUNBUFFERED": "1"}),
+                                    Placeholders("127.0.0.1", None, None, None), self.log_path, "/health",
+                                    self.startup_timeout_s)
+        self.server.start()
         return self
 
-    def _wait_ready(self) -> None:
-        import re
-        import select
+    @property
+    def url(self) -> str:
+        return self.server.base_url
 
-        import httpx
-
-        deadline = time.monotonic() + self.startup_timeout_s
-        line = b""
-        while self.url is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise MoebenchError(f"moebench serve did not start (exit {self.proc.poll()}): {self.log_tail()}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line += self.proc.stdout.readline()
-                found = re.search(rb"listening on (http://\S+)", line)
-                if found:
-                    self.url = found.group(1).decode()
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise MoebenchError(f"moebench serve never became healthy (exit {self.proc.poll()}): {self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    @property
+    def proc(self):
+        return self.server.proc
 
     def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.server.log_text()[-chars:]
 
     def __exit__(self, *exc) -> None:
-        import os
-        import signal
-
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, PermissionError):
-                pass
-            except Exception:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        if self.proc is not None:
-            self.proc.stdout.close()
-        self._log.close()
+        if self.server is not None:
+            self.server.stop()
