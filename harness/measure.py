@@ -168,7 +168,6 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
             overall = progress.add_task("all trials", total=len(todo) * len(requests), rate="")
             for trial, cfg in todo:
                 task = progress.add_task(f"{cfg.name} #{trial}", total=len(requests), rate="")
-                started = time.perf_counter()
                 tokens = [0]
 
                 def on_complete(completion, cfg=cfg, trial=trial, task=task):
@@ -186,6 +185,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
                 failed = result.activation_errors
+                output_tokens = sum(c.output_tokens for c in result.completions)
                 idle = not_exercised(cfg, result.evidence, len(requests), base_runtime)
                 if failed:
                     activation_failures.append(f"config '{cfg.name}' trial {trial}: " + "; ".join(failed))
@@ -198,14 +198,13 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     "config": cfg.name, "trial": trial, "wall_s": result.wall_s,
                     "decode_s": decode_s, "decode_tokens": decode_tokens,
                     "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
-                    "output_tokens": sum(c.output_tokens for c in result.completions),
+                    "output_tokens": output_tokens,
                     "failed_requests": sum(c.error is not None for c in result.completions),
                     "completed_requests": sum(c.error is None for c in result.completions),
                     "evidence": result.evidence, "activation_ok": not failed,
                     "activation_errors": failed, "not_exercised": idle, "expert_load": result.expert_load,
                     "position": [c.name for c in trial_order(configs, trial)].index(cfg.name),
                 })
-                output_tokens = sum(c.output_tokens for c in result.completions)
                 progress.console.print(
                     f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
                     f"{output_tokens / max(result.wall_s, 1e-9):8.1f} output tok/s (whole run), "
