@@ -29,7 +29,6 @@ links against.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -53,6 +52,7 @@ from types import ModuleType
 from typing import Callable
 
 from moebench.errors import MoebenchError
+from moebench.processes import die_with_parent
 
 STAMP_SCHEMA = "moebench.extension/1"
 ROOT_ENV = "MOEBENCH_EXTENSIONS_DIR"
@@ -439,7 +439,7 @@ class _BuildLock:
 def _worker_main() -> None:
     """The build worker (see the module docstring); sys.argv[1] is the job as JSON."""
     job = json.loads(sys.argv[1])
-    _die_with_parent(job["parent"])
+    die_with_parent(job["parent"], signal.SIGTERM)
 
     def stop_group(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -450,16 +450,6 @@ def _worker_main() -> None:
 
     load(name=job["name"], sources=job["sources"], extra_cflags=job["cflags"], extra_ldflags=job["ldflags"],
          build_directory=job["staging"], verbose=True)
-
-
-def _die_with_parent(parent: int) -> None:
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: a killed parent leaves the build to finish alone
-        pass
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        sys.exit(1)
 
 
 class LazyExtension:

@@ -5,7 +5,7 @@ process group, killed with the group; the kernel kills it too if moebench dies f
 from __future__ import annotations
 
 import atexit
-import ctypes
+import functools
 import json
 import os
 import re
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from moebench.engines.profiles import EndpointCheck, Evidence, Profile
 from moebench.errors import MoebenchError
+from moebench.processes import die_with_parent
 
 _LIVE: set["ServerProcess"] = set()
 LOG_TAIL_LINES = 12
@@ -27,14 +28,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def stop_all_servers() -> None:
@@ -115,7 +108,8 @@ class ServerProcess:
             try:
                 self.proc = subprocess.Popen(
                     self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_die_with_parent)
+                    env={**os.environ, **self.env}, start_new_session=True,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGKILL))
             except OSError as e:
                 raise MoebenchError(f"profile {self.profile.name}: cannot start {self.argv[0]} ({e.strerror})") from None
         _LIVE.add(self)
