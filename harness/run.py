@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from moebench.ablation import SWITCHES, ConfigPoint, ablation_matrix, negative_control, point
+from moebench.ablation import OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, point
 from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
@@ -315,8 +315,8 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
         raise MoebenchError(f"--concurrency must be >= 1, got {args['concurrency']}")
     if args["temperature"] < 0:
         raise MoebenchError(f"--temperature must be >= 0, got {args['temperature']}")
-    for switch in ("kernel", "scheduler", "prefetch"):
-        if args[switch] != {"kernel": "naive", "scheduler": "static", "prefetch": "off"}[switch]:
+    for switch in SWITCHES:
+        if args[switch] != OFF[switch]:
             raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
     if args.get("negative_control"):
         raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
