@@ -48,9 +48,10 @@ TWO_PROFILES = """
     [profile.evidence]
     log_must_not = ['Traceback']
     [[profile.evidence.endpoint]]
-    path = "/health"
-    field = "status"
-    matches = "ok"
+    path = "/v1/moebench/evidence"
+    field = "evidence.kernel.fused_calls"
+    at_least = 1
+    when = "end"
 """
 
 
@@ -103,6 +104,9 @@ def test_profiles_run_matches_in_process_and_leaves_no_server(tmp_path, in_proce
     assert [c["name"] for c in summary["configs"]] == ["static", "fused"]
     fused = summary["configs"][1]
     assert fused["activation"]["ok"] is True
+    trials = [json.loads(line) for line in (run_dir / "trials.jsonl").read_text().splitlines()]
+    seen = [t["evidence"]["seen"] for t in trials if t["config"] == "fused"]
+    assert all(s["/v1/moebench/evidence evidence.kernel.fused_calls at_least 1"] >= 1 for s in seen)
     assert fused["vs_baseline"]["identical_outputs"] == 1.0
     assert fused["decode_tokens_per_s"]["median"] > 0
     samples = _samples(run_dir)
