@@ -111,16 +111,31 @@ def _ratio(a, b):
 
 
 class ResidentStore(ExpertStore):
-    """Every expert in the fast pool: every look-up is a hit, nothing is ever loaded."""
+    """Every expert in the fast pool: every look-up is a hit, nothing is ever loaded.
+
+    A checkpoint loaded without its experts (`load_checkpoint(..., load_experts=False)`, for the disk
+    tier) gets them read from its files into the store's own buffers, which go with the store."""
 
     def __init__(self, ckpt, budget=1.0, dtype: torch.dtype | None = None):
         self.experts = {i: (w.w13, w.w2) for i, w in enumerate(ckpt.layers) if w.w13 is not None}
-        if dtype is not None and any(w13.dtype != dtype for w13, _ in self.experts.values()):
+        moe = [i for i in range(ckpt.config.num_layers) if ckpt.config.is_moe_layer(i)]
+        if moe and not self.experts:
+            self.experts = read_all_experts(ckpt, dtype or torch.float32)
+        elif dtype is not None and any(w13.dtype != dtype for w13, _ in self.experts.values()):
             # converted once per checkpoint, where the loaded experts are
             self.experts = experts_in(ckpt, dtype, next(iter(self.experts.values()))[0].device)
         self.dtype = dtype
         self.budget = budget
         self.counters = _Counters()
+        self.rss = memory.PeakRss()
+        own = [w for pair in self.experts.values() for w in pair]
+        ckpt_experts = [w for layer in ckpt.layers for w in (layer.w13, layer.w2) if w is not None]
+        self._memory = {"expert_pool_bytes": memory.tensor_bytes(own),
+                        "host_copy_bytes": memory.tensor_bytes(ckpt_experts + own) - memory.tensor_bytes(own),
+                        "read_buffer_bytes": 0}
+
+    def memory(self) -> dict:
+        return _memory_evidence(self._memory, self.rss)
 
     def fetch(self, layer, topk_ids):
         w13, w2 = self.experts[layer]
@@ -134,7 +149,46 @@ class ResidentStore(ExpertStore):
         t = self.counters.total
         return {"store": "resident", "expert_budget": self.budget, "expert_hits": t["expert_hits"],
                 "expert_dtype": _dtype_name(next(iter(self.experts.values()))[0].dtype) if self.experts else None,
-                "expert_misses": 0, "hit_rate": 1.0 if t["expert_hits"] else None}
+                "expert_misses": 0, "hit_rate": 1.0 if t["expert_hits"] else None, **self.memory()}
+
+
+def read_all_experts(ckpt, dtype: torch.dtype) -> dict:
+    """Every MoE layer's experts read from the checkpoint's files into new stacked buffers."""
+    from moebench.engine.offload import DiskTier
+
+    cfg = ckpt.config
+    tier = DiskTier(ckpt, readers=1)
+    try:
+        out = {}
+        for i in range(cfg.num_layers):
+            if not cfg.is_moe_layer(i):
+                continue
+            E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+            w13, w2 = memory.empty((E, 2 * I, H), dtype), memory.empty((E, H, I), dtype)
+            for e in range(E):
+                tier.load(i, e, w13[e], w2[e])
+            out[i] = (w13, w2)
+        return out
+    finally:
+        tier.close()
+
+
+def _held_elsewhere(ckpt, tier, own) -> dict:
+    """Expert bytes held beside the store's own buffers: copies the checkpoint or the tier keep in
+    memory (a loaded checkpoint's stacked experts, the host tier's copy, counted once where they are
+    the same tensors)."""
+    ckpt_experts = [w for layer in ckpt.layers for w in (layer.w13, layer.w2)]
+    held = [t for t in ckpt_experts + list(tier.held_tensors()) if t is not None]
+    own_ptrs = {t.data_ptr() for t in own}
+    held = [t for t in held if t.data_ptr() not in own_ptrs]
+    return {"host_copy_bytes": memory.tensor_bytes(held)}
+
+
+def _memory_evidence(parts: dict, rss) -> dict:
+    """`expert_memory_bytes`: every expert byte the run holds in memory (fast pool or resident
+    experts, any host copy, read buffers); the process's peak RSS since the store was made."""
+    return {"expert_memory_bytes": sum(parts.values()), **parts,
+            "process_rss_peak_bytes": rss.peak(), "rss_peak_since_process_start": rss.since_start}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -142,48 +196,31 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _Pool:
-    """One MoE layer's fast pool: S slots, which expert each holds, LRU order, loads in flight."""
+    """One MoE layer's share of the store's rows: which expert each row it holds has (LRU order), loads
+    in flight, what was prefetched and predicted for its next call."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, first_row: int, num_experts: int):
-        self.w13, self.w2 = w13, w2  # [S, ...] views of the store's buffer
-        self.first_row = first_row  # row of slot 0 in that buffer
-        slots = w13.shape[0]
-        self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident or loading; least recent first
-        self.free = list(range(slots - 1, -1, -1))
+    def __init__(self, layer: int, num_experts: int):
+        self.layer = layer
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> row, resident or loading; least recent first
         self.loading: dict[int, Future] = {}
-        # expert -> slot (-1: not held); numpy, not torch, for the reason given at `host_ids`
+        # expert -> row (-1: not held); numpy, not torch, for the reason given at `host_ids`
         self.table = np.full(num_experts, -1, dtype=np.int64)
-        self.views = None  # (w13, w2) from slot 0: to the pool's end, and to its stage's end
         self.prefetched: set[int] = set()  # loaded by prefetch for the next call, not yet used
         self.predicted: set[int] | None = None  # what the prefetcher predicted for the next call
 
 
-class _Stage:
-    """Rows for the experts one call needs beyond its layer's pool, when its working set is larger than
-    the pool (a decode step of 16 sequences at top-2 of 16 experts touches ~10 of them; a prefill, most).
-
-    The rows are transient: filled for one call of one layer (by that layer's prefetch, then by the
-    call's own misses) and never read again after it. E - S rows always suffice: a stage only holds
-    experts that are not in the layer's pool, and one is added only while the pool is full."""
-
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, first_row: int):
-        self.w13, self.w2 = w13, w2
-        self.first_row = first_row
-        self.layer: int | None = None  # the layer whose next call the rows are filled for
-        self.row_of: dict[int, int] = {}
-        self.free = list(range(w13.shape[0] - 1, -1, -1))
-        self.loading: dict[int, Future] = {}
-        self.prefetched: set[int] = set()
-
-
 class PooledStore(ExpertStore):
-    """A budgeted fast pool per MoE layer in front of a slow tier.
+    """A budgeted fast pool in front of a slow tier: `slots` rows per MoE layer, all of them in one
+    buffer per weight that every MoE layer shares.
 
-    All pools and the stages live in one buffer per weight ([pool of MoE layer 0 | pool of layer 1 |
-    ... | stage 0 | stage 1]), so a call whose experts sit partly in its pool and partly in a stage is
-    served by one view from its pool to the stage: nothing resident is ever copied. With a
-    prefetcher there are two stages, alternating between consecutive MoE layers, so layer L+1's
-    stage fills while layer L's kernel reads its own."""
+    The budget is every row the store holds: there is no staging memory beside it. Each layer has a
+    quota of `slots` rows and evicts its own least recently used expert while it holds its quota. A
+    call (or a prediction) that needs more distinct experts than that (a prefill; a decode step of a
+    large batch) borrows rows from other layers: first rows a layer holds beyond its own quota, then
+    any, taking the layer whose next call is furthest away first (the one that ran most recently),
+    never an expert that layer's pending prediction names or one still loading. The kernel gets the
+    whole buffer and ids that name its rows, so nothing resident is ever copied. A call can need every
+    expert of its layer, so the rows must hold at least one layer's experts (`slots_for_budget`)."""
 
     def __init__(self, ckpt, runtime, tier, slots: int, workers: int = 0, parallel_demand: bool = False,
                  dtype: torch.dtype | None = None):
@@ -196,38 +233,40 @@ class PooledStore(ExpertStore):
         self.dtype = dtype
         self.expert_pool_bytes = cfg.expert_param_count * torch.empty(0, dtype=dtype).element_size()
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-        stages = 2 if workers else 1
-        stage_rows = cfg.num_experts - slots
-        rows = len(moe) * slots + stages * stage_rows
+        # The budget holds the read buffers too (one per thread that reads from the tier: the loader
+        # workers, the demand readers, the model's thread): their bytes are rows the pool does not get.
+        demand = parallel_demand and workers > 1
+        reading_threads = 1 + workers * (2 if demand else 1)
+        buffers = reading_threads * tier.read_buffer_bytes_per_thread()
+        self.rows = len(moe) * slots - math.ceil(buffers / self.expert_pool_bytes)
+        if self.rows < cfg.num_experts:
+            raise MoebenchError(
+                f"--expert-budget {self.budget}: {len(moe) * slots} expert rows, less "
+                f"{len(moe) * slots - self.rows} for {reading_threads} read buffers, cannot hold the "
+                f"{cfg.num_experts} experts one call of a layer can need; raise the budget")
+        self.quota = self.rows // len(moe)  # each layer's share (see _claim)
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-        self.w13 = memory.empty((rows, 2 * inter, hidden), dtype, runtime.device)
-        self.w2 = memory.empty((rows, hidden, inter), dtype, runtime.device)
+        self.w13 = memory.empty((self.rows, 2 * inter, hidden), dtype, runtime.device)
+        self.w2 = memory.empty((self.rows, hidden, inter), dtype, runtime.device)
         self.pools: dict[int, _Pool] = {}
         for p, i in enumerate(moe):
-            lo = p * slots
-            pool = _Pool(self.w13[lo : lo + slots], self.w2[lo : lo + slots], lo, cfg.num_experts)
+            pool = _Pool(i, cfg.num_experts)
             # Start warm, as a server would: the first S experts of each layer, not counted as loads.
             w = ckpt.layers[i]
-            for e in range(slots):
-                s = pool.free.pop()
+            for e in range(self.quota):
+                row = p * self.quota + e
                 if w.w13 is not None:
-                    pool.w13[s].copy_(w.w13[e])
-                    pool.w2[s].copy_(w.w2[e])
+                    self.w13[row].copy_(w.w13[e])
+                    self.w2[row].copy_(w.w2[e])
                 else:
-                    tier.load(i, e, pool.w13[s], pool.w2[s])
-                pool.slot_of[e] = s
-                pool.table[e] = s
+                    tier.load(i, e, self.w13[row], self.w2[row])
+                pool.slot_of[e] = row
+                pool.table[e] = row
             self.pools[i] = pool
-        self.stages = []
-        for k in range(stages):
-            lo = len(moe) * slots + k * stage_rows
-            self.stages.append(_Stage(self.w13[lo : lo + stage_rows], self.w2[lo : lo + stage_rows], lo))
-        self.stage_of = {i: self.stages[p % stages] for p, i in enumerate(moe)}
-        for i, pool in self.pools.items():  # the views a call hands the kernel, made once
-            lo, stage = pool.first_row, self.stage_of[i]
-            hi = stage.first_row + stage.w13.shape[0]
-            pool.views = ((self.w13[lo : lo + slots], self.w2[lo : lo + slots]), (self.w13[lo:hi], self.w2[lo:hi]))
-        self.staging_bytes = stages * stage_rows * self.expert_pool_bytes
+        self.free = list(range(self.rows - 1, len(moe) * self.quota - 1, -1))
+        # MoE layers, the most recently fetched first: the order in which a claim borrows rows (the
+        # layer that ran last is the one needed again furthest ahead)
+        self.recent: list[_Pool] = list(reversed(self.pools.values()))
         self.workers = workers
         # Loads run on native threads that never take the GIL where the tier can describe them
         # (`moebench.kernels.expert_loader`), else on Python threads.
@@ -241,9 +280,8 @@ class PooledStore(ExpertStore):
             from moebench.kernels.expert_loader import load_extension
 
             self._load_error = load_extension().LoadError
-        # Demand loads get readers of their own: queued behind prefetches already running (some of
-        # them wrong guesses) they would wait for the disk twice.
-        demand = parallel_demand and workers > 1
+        # Demand loads get readers of their own (`demand`): queued behind prefetches already running
+        # (some of them wrong guesses) they would wait for the disk twice.
         if self.native:
             # A worker that slept between two plans would pay a wake-up at each one, as much as a
             # host copy (docs/prefetch.md); one idle worker spins instead, and stops spinning as soon
@@ -257,7 +295,14 @@ class PooledStore(ExpertStore):
             self.demand_executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-demand") if demand else None
         self.side_stream = torch.cuda.Stream() if self.cuda and workers else None
         self.counters = _Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
-                                   "predicted", "needed_predicted", "predicted_needed", "staged"))
+                                   "predicted", "needed_predicted", "predicted_needed", "borrowed",
+                                   "prefetch_no_room"))
+        self.rss = memory.PeakRss()
+        self._memory = {"expert_pool_bytes": self.w13.nbytes + self.w2.nbytes,
+                        **_held_elsewhere(ckpt, tier, (self.w13, self.w2)), "read_buffer_bytes": buffers}
+
+    def memory(self) -> dict:
+        return _memory_evidence(self._memory, self.rss)
 
     # ------------------------------------------------------------------ loading
 
@@ -342,115 +387,103 @@ class PooledStore(ExpertStore):
         return True
 
     def _evict(self, pool: _Pool, expert: int) -> int:
-        slot = pool.slot_of.pop(expert)
+        row = pool.slot_of.pop(expert)
         pool.table[expert] = -1
         pool.prefetched.discard(expert)
         self.counters.add("evictions", 1)
-        return slot
-
-    def _claim(self, pool: _Pool, expert: int, protect: set[int]) -> int | None:
-        """A slot for `expert`: a free one, else the least recently used expert outside `protect`
-        whose slot is not being written; None when there is none (the caller uses a stage row)."""
-        if pool.free:
-            slot = pool.free.pop()
-        else:
-            victim = None
-            for x in pool.slot_of:  # least recently used first
-                if x in protect:
-                    continue
-                fut = pool.loading.get(x)
-                if fut is not None:
-                    if not fut.done():
-                        continue
-                    self._finish(pool.loading.pop(x))
-                victim = x
-                break
-            if victim is None:
-                return None
-            slot = self._evict(pool, victim)
-        pool.slot_of[expert] = slot
-        pool.table[expert] = slot
-        return slot
-
-    def _stage_row(self, stage: _Stage, expert: int) -> int:
-        if not stage.free:  # cannot happen (see _Stage); a clear error beats reading another expert
-            raise RuntimeError(f"expert stage full ({len(stage.row_of)} rows) placing expert {expert}")
-        row = stage.free.pop()
-        stage.row_of[expert] = row
-        self.counters.add("staged", 1)
         return row
 
-    def _reset_stage(self, stage: _Stage, layer: int | None) -> None:
-        """Give the stage to `layer`'s next call. Loads still in flight into it (prefetches another
-        call did not need) are cancelled or waited out: their rows are about to be rewritten."""
-        if not stage.row_of and not stage.loading:  # nothing placed in it since the last reset
-            stage.layer = layer
-            stage.prefetched.clear()
-            return
-        t0 = time.perf_counter()
-        for fut in stage.loading.values():
-            if not self._cancel(fut):
-                self._finish(fut)
-        if stage.loading:  # time the model's thread waited on loads: stall like any other
-            self.counters.add("stall_s", time.perf_counter() - t0)
-        stage.layer = layer
-        stage.row_of.clear()
-        stage.loading.clear()
-        stage.prefetched.clear()
-        stage.free = list(range(stage.w13.shape[0] - 1, -1, -1))
+    def _evict_lru(self, pool: _Pool, keep, force: bool = False) -> int | None:
+        """The row of `pool`'s least recently used expert outside `keep` whose row is not being
+        written; with `force`, a load in flight is cancelled or waited out instead of skipped."""
+        for x in pool.slot_of:  # least recently used first
+            if keep and x in keep:
+                continue
+            fut = pool.loading.get(x)
+            if fut is not None:
+                if not fut.done() and not force:
+                    continue
+                if not self._cancel(fut):
+                    self._finish(fut)
+                del pool.loading[x]
+            return self._evict(pool, x)
+        return None
+
+    def _claim(self, layer: int, expert: int, protect: set[int], demand: bool = False) -> int | None:
+        """A row for `layer`'s `expert`: a free one; else, while the layer holds its quota, its own
+        least recently used expert outside `protect`; else a row borrowed from another layer (see the
+        class). None when there is none (a prefetch then stops); a demand load always gets one, giving
+        up other layers' predictions and waiting out loads in flight if it must."""
+        own = self.pools[layer]
+        if self.free:
+            row = self.free.pop()
+        else:
+            quota = self.quota
+            others = [p for p in self.recent if p is not own]
+            over = [p for p in others if len(p.slot_of) > quota]
+            first = [own] + over if len(own.slot_of) >= quota else over + [own]
+            row = None
+            for p in first + [p for p in others if p not in over]:
+                row = self._evict_lru(p, protect if p is own else p.predicted)
+                if row is not None:
+                    break
+            if row is None and demand:
+                for p in [own] + others:
+                    row = self._evict_lru(p, protect if p is own else None, force=True)
+                    if row is not None:
+                        break
+            if row is None:
+                return None
+            if p is not own:
+                self.counters.add("borrowed", 1)
+        own.slot_of[expert] = row
+        own.table[expert] = row
+        return row
 
     # ------------------------------------------------------------------ the MoE block's call
 
     def fetch(self, layer, topk_ids):
-        pool, stage = self.pools[layer], self.stage_of[layer]
+        pool = self.pools[layer]
         ids = host_ids(topk_ids)
         needed = sorted(set(ids.ravel().tolist()))
         need = set(needed)
         c = self.counters
         c.add("lookups", len(needed))
-        if len(needed) > self.slots:
+        if len(needed) > self.quota:
             c.add("overflow_calls", 1)
         self._score_prediction(pool, need)
-        if stage.layer != layer:  # nothing staged for this call: the rows are free for its misses
-            self._reset_stage(stage, layer)
-        self._drop_unneeded_loads(pool, stage, need)
-        c.add("prefetch_hits", len(need & pool.prefetched) + len(need & stage.prefetched))
+        self._drop_unneeded_loads(pool, need)
+        c.add("prefetch_hits", len(need & pool.prefetched))
         pool.prefetched.clear()
         stall = 0.0
         misses = []
-        slot_of, row_of = pool.slot_of, stage.row_of
+        slot_of = pool.slot_of
         for e in needed:
             if e in slot_of:
                 slot_of.move_to_end(e)
                 if pool.loading:
                     stall += self._wait(pool.loading.pop(e, None))
-            elif e in row_of:
-                if stage.loading:
-                    stall += self._wait(stage.loading.pop(e, None))
             else:
                 misses.append(e)
         c.add("expert_hits", len(needed) - len(misses))
         if misses:
-            stall += self._load_misses(layer, pool, stage, misses, need)
+            stall += self._load_misses(layer, pool, misses, need)
         c.add("stall_s", stall)
-        out = self._weights(pool, stage, ids, topk_ids.device)
-        stage.layer = None  # consumed: what this call staged is not kept for a later one
-        return out
+        recent = self.recent
+        if recent[0] is not pool:
+            recent.remove(pool)
+            recent.insert(0, pool)
+        rows = torch.from_numpy(pool.table[ids])
+        return self.w13, self.w2, rows.to(topk_ids.device) if self.cuda else rows
 
-    def _load_misses(self, layer, pool, stage, misses, need) -> float:
-        """Load the call's missing experts on demand into LRU slots, or stage rows once no slot is
-        free of this call's experts and of loads in flight. -> seconds spent."""
+    def _load_misses(self, layer, pool, misses, need) -> float:
+        """Load the call's missing experts on demand into free or least recently used rows (see
+        `_claim`). -> seconds spent, claims included (a claim may wait out a load in flight)."""
         c = self.counters
         c.add("expert_misses", len(misses))
         c.add("bytes_loaded", len(misses) * self.tier.expert_bytes)
-        loads = []
-        for e in misses:
-            slot = self._claim(pool, e, need)
-            if slot is not None:
-                loads.append((e, pool.first_row + slot))
-            else:
-                loads.append((e, stage.first_row + self._stage_row(stage, e)))
         t0 = time.perf_counter()
+        loads = [(e, self._claim(layer, e, need, demand=True)) for e in misses]
         if self.demand_executor is not None and len(loads) > 1:
             for f in self._submit(layer, loads, self.demand_executor):
                 self._finish(f)
@@ -468,49 +501,30 @@ class PooledStore(ExpertStore):
         describe = self.tier.describe
         return [describe(layer, e, base13 + row * n13, base2 + row * n2) for e, row in loads]
 
-    def _weights(self, pool: _Pool, stage: _Stage, ids, device):
-        """The buffer view from the pool's first slot (to the stage's last row if the call uses it)
-        and the call's expert ids (numpy) rewritten to rows of that view."""
-        table = pool.table
-        if stage.row_of:
-            table = table.copy()
-            offset = stage.first_row - pool.first_row
-            for e, row in stage.row_of.items():
-                table[e] = offset + row
-        w13, w2 = pool.views[1 if stage.row_of else 0]
-        rows = torch.from_numpy(table[ids])
-        return w13, w2, rows.to(device) if self.cuda else rows
-
-    def _drop_unneeded_loads(self, pool: _Pool, stage: _Stage, need: set[int]) -> None:
+    def _drop_unneeded_loads(self, pool: _Pool, need: set[int]) -> None:
         """Prefetches for this call that turned out wrong and have not started yet cost nothing:
-        cancel them and give their slots and rows back."""
+        cancel them and give their rows back."""
         for e in [e for e in pool.loading if e not in need]:
             if self._cancel(pool.loading[e]):
                 del pool.loading[e]
-                pool.free.append(self._evict(pool, e))
+                self.free.append(self._evict(pool, e))
                 self.counters.add("evictions", -1)  # never held an expert
-        for e in [e for e in stage.loading if e not in need]:
-            if self._cancel(stage.loading[e]):
-                del stage.loading[e]
-                stage.prefetched.discard(e)
-                stage.free.append(stage.row_of.pop(e))
 
     # ------------------------------------------------------------------ prefetch
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start loading `experts` (distinct, most wanted first) for `layer`'s next call, now: predicted
-        residents become most recently used; missing ones go to LRU slots of experts not predicted, and
-        once none is free (the prediction is larger than the pool) to the layer's stage.
+        residents become most recently used; missing ones go to rows `_claim` finds (the layer's least
+        recently used experts that are not predicted, then rows borrowed from other layers); once none
+        is left the rest of the prediction is dropped (`prefetch_no_room`).
 
-        Called between MoE calls, so on CPU no kernel is reading any pool or stage; on CUDA a queued
-        kernel may still read a stage, and the copies wait for the compute stream (see `_submit`)."""
+        Called between MoE calls, so on CPU no kernel is reading any row; on CUDA a queued kernel may
+        still read a row, and the copies wait for the compute stream (see `_submit`)."""
         if self.executor is None:
             return
-        pool, stage = self.pools[layer], self.stage_of[layer]
+        pool = self.pools[layer]
         if pool.predicted is not None and pool.predicted.issuperset(experts):
             return  # the late guess often repeats the early one: all of it is resident or on its way
-        if stage.layer != layer:
-            self._reset_stage(stage, layer)
         keep = set(experts)
         if pool.predicted is not None:  # a second guess for the same call (early, then late)
             keep |= pool.predicted
@@ -519,22 +533,20 @@ class PooledStore(ExpertStore):
         for e in reversed(experts):  # predicted residents become the most recently used
             if e in slot_of:
                 slot_of.move_to_end(e)
-        loads, targets = [], []
+        loads = []
         for e in experts:
-            if e in slot_of or e in stage.row_of:
+            if e in slot_of:
                 continue
-            slot = self._claim(pool, e, keep)
-            if slot is not None:
-                loads.append((e, pool.first_row + slot))
-                targets.append(pool)
-            else:
-                loads.append((e, stage.first_row + self._stage_row(stage, e)))
-                targets.append(stage)
+            row = self._claim(layer, e, keep)
+            if row is None:
+                self.counters.add("prefetch_no_room", 1)
+                break
+            loads.append((e, row))
         if not loads:
             return
-        for (e, _), where, fut in zip(loads, targets, self._submit(layer, loads, self.executor)):
-            where.loading[e] = fut
-            where.prefetched.add(e)
+        for (e, _), fut in zip(loads, self._submit(layer, loads, self.executor)):
+            pool.loading[e] = fut
+            pool.prefetched.add(e)
         self.counters.add("prefetch_issued", len(loads))
         self.counters.add("bytes_loaded", len(loads) * self.tier.expert_bytes)
 
@@ -562,8 +574,9 @@ class PooledStore(ExpertStore):
             "slots_per_layer": self.slots,
             "expert_dtype": _dtype_name(self.dtype),
             "num_experts": self.cfg.num_experts,
-            "fast_pool_bytes": self.slots * len(self.pools) * self.expert_pool_bytes,
-            "staging_bytes": self.staging_bytes,
+            "rows": self.rows,
+            "rows_per_layer": self.quota,
+            **self.memory(),
             **self.tier.evidence(),
             "load_workers": self.workers,
             "native_loader": self.native,
@@ -588,7 +601,8 @@ class PooledStore(ExpertStore):
             "stall_s": t["stall_s"],
             "evictions": t["evictions"],
             "overflow_calls": t["overflow_calls"],
-            "staged_loads": t["staged"],
+            "borrowed_rows": t["borrowed"],
+            "prefetch_no_room": t["prefetch_no_room"],
         }
 
     def close(self):
@@ -653,9 +667,9 @@ def slots_for_budget(cfg, runtime, dtype: torch.dtype | None = None) -> int:
     """Fast-pool slots per MoE layer for `runtime.expert_budget`; num_experts means all resident.
 
     A fraction f keeps floor(f * E) experts of every MoE layer; a size keeps as many as fit, split
-    evenly over the MoE layers (bytes in `dtype`, the pool's, by default the compute dtype). One token needs top_k experts of a layer at
-    once, so fewer slots than top_k is refused; calls needing more distinct experts than the pool
-    holds (prefills, large decode batches) put the rest in transient stage rows (see PooledStore).
+    evenly over the MoE layers (bytes in `dtype`, the pool's, by default the compute dtype). That is
+    all the memory the store holds: calls needing more distinct experts than their layer's share
+    (prefills, large decode batches) borrow rows from other layers (see PooledStore).
     """
     budget = runtime.expert_budget
     E, k = cfg.num_experts, cfg.top_k
@@ -681,14 +695,28 @@ def slots_for_budget(cfg, runtime, dtype: torch.dtype | None = None) -> int:
             )
         slots = min(E, math.floor(size / (moe_layers * expert_bytes))) if moe_layers else E
         asked = f"{budget} ({size / 2**20:.0f} MiB; one expert is {expert_bytes / 2**20:.2f} MiB)"
-    if slots < k:
-        need = k * moe_layers * expert_bytes
+    # One token needs top_k experts of a layer at once, and a call (a prefill) can need every expert of
+    # its layer: the rows all layers share (see PooledStore) must hold that many.
+    fewest = max(k, math.ceil(E / moe_layers)) if moe_layers else k
+    if slots < fewest:
+        need = fewest * moe_layers * expert_bytes
         raise MoebenchError(
             f"--expert-budget {asked} leaves {slots} expert slots per MoE layer, but one token needs "
-            f"top_k={k} experts of a layer at once: use at least {k / E:.3g} or {need / 2**20:.0f}MiB "
-            f"(all experts: {total / 2**20:.0f}MiB)"
+            f"top_k={k} experts of a layer at once and a call can need all {E} of one layer: use at least "
+            f"{fewest / E:.3g} or {need / 2**20:.0f}MiB (all experts: {total / 2**20:.0f}MiB)"
         )
     return min(slots, E)
+
+
+def resolve_tier(name: str, device: str) -> str:
+    """`auto`: the tier offloading really has on the device: a GPU streams cold experts from pinned
+    host memory, a CPU-only machine from disk (the host tier on a CPU is a synthetic setting: a copy
+    from RAM to RAM)."""
+    if name == "auto":
+        return "host" if device == "cuda" else "disk"
+    if name not in ("host", "disk"):
+        raise MoebenchError(f"unknown --offload-tier '{name}' (choose auto, host or disk)")
+    return name
 
 
 def make_store_and_prefetcher(ckpt, runtime):
@@ -699,8 +727,11 @@ def make_store_and_prefetcher(ckpt, runtime):
     from moebench.engine.moe import KERNEL_CLASSES
 
     cfg = ckpt.config
-    if runtime.offload_tier not in ("host", "disk"):
-        raise MoebenchError(f"unknown --offload-tier '{runtime.offload_tier}' (choose host or disk)")
+    tier_name = resolve_tier(runtime.offload_tier, runtime.device)
+    substituted = None
+    if tier_name == "disk" and getattr(ckpt, "quantized", None):
+        # a negative control's quantized experts exist only in memory: no file holds them
+        tier_name, substituted = "host", f"disk -> host: the {ckpt.quantized} experts exist only in memory"
     # The kernel says which dtype it wants its weights in (the fused CPU kernel streams bfloat16
     # checkpoints as they are, see FusedMoe.expert_dtype); the pool holds them so. The budget counts
     # slots in the compute dtype for every kernel, so both kernels get the same number of slots.
@@ -710,11 +741,12 @@ def make_store_and_prefetcher(ckpt, runtime):
     if slots >= cfg.num_experts:
         store = ResidentStore(ckpt, runtime.expert_budget, dtype)
     else:
-        disk = runtime.offload_tier == "disk"
+        disk = tier_name == "disk"
         # docs/prefetch.md gives the measurements behind 3 disk readers and 1 host worker.
         readers = int(runtime.extra.get("readers", DEFAULT_DISK_READERS))
         workers = readers if disk else int(runtime.extra.get("host_workers", 1))
-        tier = make_tier(runtime.offload_tier, ckpt, runtime.device, readers)
+        tier = make_tier(tier_name, ckpt, runtime.device, readers)
+        tier.substituted = substituted
         store = PooledStore(ckpt, runtime, tier, slots, workers, parallel_demand=disk, dtype=dtype)
     if runtime.prefetch == "lookahead":
         from moebench.engine.prefetch import LookaheadPrefetcher

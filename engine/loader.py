@@ -142,9 +142,11 @@ def _router_name(cfg: ModelConfig, layer: int) -> str:
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                    experts_in_checkpoint_dtype: bool = False) -> Checkpoint:
+                    experts_in_checkpoint_dtype: bool = False, load_experts: bool = True) -> Checkpoint:
     """`experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype (for an
-    expert budget below 1, whose store upcasts only the experts it holds; halves their memory)."""
+    expert budget below 1, whose store upcasts only the experts it holds; halves their memory).
+    `load_experts=False`: routed experts stored one tensor per expert stay in the files (w13/w2 None,
+    their places in `expert_sources`): the disk tier reads them, and no copy of them is held."""
     directory = Path(path)
     if not directory.is_dir():
         raise MoebenchError(f"{directory}: not a directory (expected a checkpoint with config.json and *.safetensors)")
@@ -204,14 +206,15 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
                 raw = experts_in_checkpoint_dtype
                 e_device, e_dtype = ("cpu", index.get(_expert_names(cfg, i, 0)[0], (I, H)).dtype) if raw else (device, dtype)
                 expert = (lambda n, *shape: index.get(n, shape)) if raw else get
-                layer.w13 = memory.empty((E, 2 * I, H), e_dtype, e_device)
-                layer.w2 = memory.empty((E, H, I), e_dtype, e_device)
+                layer.w13 = memory.empty((E, 2 * I, H), e_dtype, e_device) if load_experts else None
+                layer.w2 = memory.empty((E, H, I), e_dtype, e_device) if load_experts else None
                 for e in range(E):
                     gate, up, down = _expert_names(cfg, i, e)
-                    layer.w13[e, :I] = expert(gate, I, H)
-                    layer.w13[e, I:] = expert(up, I, H)
-                    layer.w2[e] = expert(down, H, I)
                     expert_sources[(i, e)] = [(index.name_to_file[n], n) for n in (gate, up, down)]
+                    if load_experts:
+                        layer.w13[e, :I] = expert(gate, I, H)
+                        layer.w13[e, I:] = expert(up, I, H)
+                        layer.w2[e] = expert(down, H, I)
         else:
             D = cfg.dense_intermediate_size
             m = f"{p}.mlp"

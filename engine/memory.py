@@ -83,3 +83,39 @@ def empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     if torch.device(device).type == "cpu":
         return huge_page_empty(shape, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class PeakRss:
+    """This process's peak resident set size from now on: the kernel's high-water mark (VmHWM),
+    reset at the start by writing 5 to /proc/self/clear_refs (Linux 4.0+). Where the reset is not
+    allowed the peak counts from the process's start, and `since_start` says so."""
+
+    def __init__(self):
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.since_start = False
+        except OSError:
+            self.since_start = True
+
+    def peak(self) -> int | None:
+        return _status_bytes("VmHWM")
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of `tensors`, each counted once (a tensor that two holders share is one copy)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total

@@ -41,6 +41,7 @@ class ExpertTier:
     def __init__(self):
         self.loaders = []  # native loaders made by `native_loader`, for counters and close
         self.sync = None  # a thread-less native loader once `prepare_native` succeeded
+        self.substituted = None  # why this tier stands in for the one asked for (in the evidence)
 
     def load(self, layer: int, expert: int, w13_dst: torch.Tensor, w2_dst: torch.Tensor) -> int:
         raise NotImplementedError
@@ -74,6 +75,15 @@ class ExpertTier:
         loader = load_extension().Loader(threads, spin_us, list(cpus))
         self.loaders.append(loader)
         return loader
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Expert copies this tier keeps in memory (counted in a store's expert memory)."""
+        return []
+
+    def read_buffer_bytes_per_thread(self) -> int:
+        """Memory of the buffer each thread reading from this tier keeps (a disk tier's page-aligned
+        read buffer, as large as its longest read)."""
+        return 0
 
     def load_many(self, layer: int, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Several (expert, w13_dst, w2_dst) loads of one layer, in order."""
@@ -183,9 +193,13 @@ class HostTier(ExpertTier):
         src = [w13[e] for e, _, _ in items] + [w2[e] for e, _, _ in items]
         torch._foreach_copy_(dst, src, non_blocking=self.cuda)
 
+    def held_tensors(self):
+        return [w for pair in self.experts.values() for w in pair]
+
     def evidence(self):
-        return {"tier": self.name, "tier_dtype": str(next(iter(self.experts.values()))[0].dtype).replace("torch.", ""),
-                "pinned": self.cuda}
+        ev = {"tier": self.name, "tier_dtype": str(next(iter(self.experts.values()))[0].dtype).replace("torch.", ""),
+              "pinned": self.cuda}
+        return {**ev, "tier_substituted": self.substituted} if self.substituted else ev
 
 
 def read_safetensors_header(path: Path) -> tuple[int, dict]:
@@ -351,6 +365,10 @@ class DiskTier(ExpertTier):
                 dsts[which].copy_(src.view(dtype).view(shape))
         return self.expert_bytes
 
+    def read_buffer_bytes_per_thread(self):
+        longest = max(self._read_range(ext)[1] for extents in self.extents.values() for ext in extents)
+        return -(-longest // _ALIGN) * _ALIGN
+
     def evidence(self):
         return {"tier": self.name, "read_mode": self.mode, "readers": self.readers,
                 "disk_requests": self.requests + sum(x.reads for x in self.loaders),
@@ -364,6 +382,15 @@ class DiskTier(ExpertTier):
             except OSError:
                 pass
         self.fds = {}
+
+
+def disk_read_mode(ckpt) -> str | None:
+    """How the disk tier will read this checkpoint's experts: o_direct, or fadvise where the file
+    system refuses O_DIRECT (tmpfs, some overlays); None when it has no per-expert tensors."""
+    if not ckpt.expert_sources:
+        return None
+    first = str(next(iter(ckpt.expert_sources.values()))[0][0])
+    return "o_direct" if DiskTier._direct_works(first) else "fadvise"
 
 
 def make_tier(name: str, ckpt, device: str, readers: int = 4) -> ExpertTier:

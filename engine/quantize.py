@@ -34,11 +34,21 @@ def quantize_experts(ckpt, scheme: str, group_size: int = 32):
     bits = SCHEMES[scheme]
     out = copy.copy(ckpt)
     out.layers = []
-    for layer in ckpt.layers:
+    # Experts left in the files (load_checkpoint(load_experts=False), the disk tier) are read for the
+    # copy; the copy's experts exist only in memory, so it has no file sources a disk tier could read.
+    on_disk = {}
+    if ckpt.expert_sources and any(layer.w13 is None and layer.router is not None for layer in ckpt.layers):
+        from moebench.engine.expert_store import read_all_experts
+        from moebench.engine.offload import expert_file_dtype
+
+        on_disk = read_all_experts(ckpt, expert_file_dtype(ckpt))
+    out.expert_sources = {}
+    for i, layer in enumerate(ckpt.layers):
         q = copy.copy(layer)
-        if layer.w13 is not None:
-            q.w13 = quantize_rtn(layer.w13, bits, group_size)
-            q.w2 = quantize_rtn(layer.w2, bits, group_size)
+        w13, w2 = on_disk.get(i, (layer.w13, layer.w2))
+        if w13 is not None:
+            q.w13 = quantize_rtn(w13, bits, group_size)
+            q.w2 = quantize_rtn(w2, bits, group_size)
         out.layers.append(q)
     out.quantized = scheme
     return out

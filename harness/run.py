@@ -108,7 +108,7 @@ def run_command(
     batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Generation limit per request (a hit counts as a truncation)."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Fraction of routed-expert weights kept resident (e.g. 0.5) or a size (8GB). Default 1.0."),
-    offload_tier: str = typer.Option("host", "--offload-tier", help="Where non-resident experts live: host or disk."),
+    offload_tier: str = typer.Option("auto", "--offload-tier", help="Where non-resident experts live: auto (disk on a CPU, pinned host memory on CUDA), disk, or host (on a CPU a synthetic RAM-to-RAM setting)."),
     admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
     device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (measured here: with 2 threads on a busy 2-core machine, OpenMP hand-offs made small ops 30-60x slower and faked large speedups); 0 = torch's own choice."),
@@ -132,6 +132,7 @@ def run_command(
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
     from moebench.engine import RuntimeConfig
+    from moebench.engine.expert_store import resolve_tier
 
     if resume is not None:
         manifest = _read_manifest(resume)
@@ -169,7 +170,8 @@ def run_command(
             budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
         base_runtime = RuntimeConfig(
             device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
-            admission=args["admission"], expert_budget=_parse_budget(budget), offload_tier=args["offload_tier"],
+            admission=args["admission"], expert_budget=_parse_budget(budget),
+            offload_tier=resolve_tier(args["offload_tier"], args["device"]),
         )
         for cfg in configs:
             _runtime_for(base_runtime, cfg)
@@ -402,10 +404,12 @@ def _load_model(path: Path, runtime):
 
         if not torch.cuda.is_available():
             raise MoebenchError("--device cuda: no CUDA device is available")
-    # below a full budget the experts stay in the file's dtype; the store upcasts only those it holds
+    # below a full budget the experts stay in the file's dtype; the store upcasts only those it holds;
+    # with the disk tier they stay in the files (no copy in memory)
     offloading = runtime.expert_budget not in (1, 1.0)
     ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype,
-                           experts_in_checkpoint_dtype=offloading)
+                           experts_in_checkpoint_dtype=offloading,
+                           load_experts=not (offloading and runtime.offload_tier == "disk"))
     return ckpt, load_tokenizer(path)
 
 
@@ -421,6 +425,7 @@ def _default_run_id(args: dict) -> str:
 
 def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     from moebench.engine.memory import huge_page_bytes
+    from moebench.engine.offload import disk_read_mode
     from moebench.kernels import fused_backend
     from moebench.kernels.cpu_attention import decode_attention_backend
 
@@ -428,6 +433,8 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         "device": runtime.device, "dtype": str(runtime.torch_dtype).replace("torch.", ""),
         "batch_size": runtime.batch_size, "max_new_tokens": runtime.max_new_tokens,
         "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
+        # how the disk tier bypasses the page cache (O_DIRECT, or fadvise-evict where refused)
+        "disk_read_mode": disk_read_mode(ckpt) if runtime.offload_tier == "disk" else None,
         "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
         # evidence that weights and KV cache landed in huge pages (engine/memory.py)
         "huge_page_bytes": huge_page_bytes(),

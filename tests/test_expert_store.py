@@ -41,7 +41,7 @@ def resident(ckpt):
     return [c.output_ids for c in generate(ckpt).completions]
 
 
-@pytest.mark.parametrize("budget", [0.3, 0.5])
+@pytest.mark.parametrize("budget", [0.5, 0.75])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("prefetch", ["off", "lookahead"])
 def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, prefetch):
@@ -51,6 +51,14 @@ def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, p
     ev = result.evidence["prefetch"]
     assert ev["store"] == "pooled" and ev["slots_per_layer"] == int(budget * E)
     assert ev["expert_misses"] > 0  # the budget really bit
+    # the budget is all the store holds: its rows, less the rows the read buffers take; no staging beside
+    row_bytes = ckpt.config.expert_param_count * 4
+    assert ev["rows"] == int(budget * E) * LAYERS - -(-ev["read_buffer_bytes"] // row_bytes)
+    assert ev["expert_pool_bytes"] == ev["rows"] * row_bytes
+    if tier == "host":  # the host tier's copy of every expert (the loaded checkpoint's, float32 here) counts
+        assert ev["host_copy_bytes"] >= LAYERS * E * ckpt.config.expert_param_count * 2
+    assert ev["expert_memory_bytes"] == ev["expert_pool_bytes"] + ev["host_copy_bytes"] + ev["read_buffer_bytes"]
+    assert ev["process_rss_peak_bytes"] > 0
     if prefetch == "lookahead":
         assert ev["prefetch_hits"] > 0 and ev["prefetch_issued"] >= ev["prefetch_hits"]
     else:
@@ -59,13 +67,13 @@ def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, p
         assert ev["read_mode"] in ("o_direct", "fadvise") and ev["disk_requests"] > 0
 
 
-def test_fused_kernel_on_pool_and_stage_rows_is_exact(ckpt):
-    """The fused kernel gets one view from the pool's first slot to the stage's last row, with other
-    layers' pools in between: only the rows the ids name may matter."""
+def test_fused_kernel_on_shared_and_borrowed_rows_is_exact(ckpt):
+    """The fused kernel gets the whole buffer every layer shares, its ids naming rows of it, some of
+    them borrowed from other layers: only the rows the ids name may matter."""
     fused_resident = [c.output_ids for c in generate(ckpt, kernel="fused").completions]
-    result = generate(ckpt, expert_budget=0.25, offload_tier="host", prefetch="lookahead", kernel="fused")
+    result = generate(ckpt, expert_budget=0.4, offload_tier="host", prefetch="lookahead", kernel="fused")
     assert [c.output_ids for c in result.completions] == fused_resident
-    assert result.evidence["prefetch"]["staged_loads"] > 0
+    assert result.evidence["prefetch"]["borrowed_rows"] > 0
 
 
 def test_step_metrics_sum_up(ckpt):
@@ -130,15 +138,16 @@ def assert_serves(ckpt, store, layer, ids):
 
 
 def test_lru_evicts_least_recently_used_and_never_one_in_use(ckpt):
-    store = pooled(ckpt, slots=4)  # starts holding experts 0..3
+    store = pooled(ckpt, slots=6)  # starts holding experts 0..5
     pool = store.pools[0]
-    assert_serves(ckpt, store, 0, torch.tensor([[1, 0]]))  # least recent first: 2, 3, 0, 1
-    assert_serves(ckpt, store, 0, torch.tensor([[5, 2]]))  # 5 evicts 3 (2 is in use, 3 is the oldest)
-    assert set(pool.slot_of) == {0, 1, 2, 5}
+    assert_serves(ckpt, store, 0, torch.tensor([[1, 0]]))  # least recent first: 2, 3, 4, 5, 0, 1
+    assert_serves(ckpt, store, 0, torch.tensor([[7, 2]]))  # 7 evicts 3 (2 is in use, 3 is the oldest)
+    assert set(pool.slot_of) == {0, 1, 2, 4, 5, 7}
     # a call needing four experts, two of them missing: both victims must come from outside the call
-    assert_serves(ckpt, store, 0, torch.tensor([[7, 0], [6, 5]]))
-    assert set(pool.slot_of) == {0, 5, 6, 7}
-    assert store.tier.loads == [(0, 5), (0, 6), (0, 7)]
+    assert_serves(ckpt, store, 0, torch.tensor([[9, 0], [8, 7]]))
+    assert set(pool.slot_of) == {0, 1, 2, 7, 8, 9}
+    assert store.tier.loads == [(0, 7), (0, 8), (0, 9)]
+    assert store.evidence()["borrowed_rows"] == 0  # within its share a layer evicts its own experts
     step = store.take_step()
     assert (step["expert_hits"], step["expert_misses"]) == (2 + 1 + 2, 3)
     assert step["bytes_loaded"] == 3 * store.tier.expert_bytes
@@ -149,7 +158,7 @@ def test_random_calls_always_served_exactly(ckpt, workers):
     """Property test: whatever the history and however wrong the predictions, every call gets the
     right weights for every id, including loads still in flight from the prefetch workers."""
     g = torch.Generator().manual_seed(3)
-    store = pooled(ckpt, slots=5, workers=workers)
+    store = pooled(ckpt, slots=6, workers=workers)
     for _ in range(150):
         layer = int(torch.randint(0, LAYERS, (1,), generator=g))
         tokens = int(torch.randint(1, 4, (1,), generator=g))
@@ -162,37 +171,38 @@ def test_random_calls_always_served_exactly(ckpt, workers):
     store.close()
 
 
-def test_calls_needing_more_experts_than_slots_use_the_stage(ckpt):
-    """12 distinct experts, 3 slots: the 3 residents are used where they are (never copied), the 9
-    others are loaded once each into stage rows, and the pool keeps what it held."""
-    store = pooled(ckpt, slots=3)
+def test_calls_needing_more_experts_than_their_share_borrow_rows(ckpt):
+    """12 distinct experts, 6 rows per layer: the 6 residents are used where they are (never copied),
+    the 6 others take rows of the layer that ran longest ago (layer 2 here, before any call), and a
+    later call of that layer takes rows back from the layer holding more than its share."""
+    store = pooled(ckpt, slots=6)
     ids = torch.arange(12).view(6, 2)
     assert_serves(ckpt, store, 1, ids)
-    assert store.tier.loads == [(1, e) for e in range(3, 12)]
+    assert store.tier.loads == [(1, e) for e in range(6, 12)]
     ev = store.evidence()
-    assert ev["overflow_calls"] == 1 and ev["staged_loads"] == 9 and ev["expert_misses"] == 9
-    assert ev["staging_bytes"] == (E - 3) * store.expert_pool_bytes  # one stage without a prefetcher
-    assert set(store.pools[1].slot_of) == {0, 1, 2}
-    # the staged experts are not kept: the next call loads what it misses again, into the pool
-    assert_serves(ckpt, store, 1, torch.tensor([[2, 9]]))
-    assert store.tier.loads[-1] == (1, 9) and 9 in store.pools[1].slot_of
+    assert ev["overflow_calls"] == 1 and ev["borrowed_rows"] == 6 and ev["expert_misses"] == 6
+    assert len(store.pools[1].slot_of) == 12 and len(store.pools[2].slot_of) == 0
+    assert len(store.pools[0].slot_of) == 6
+    assert_serves(ckpt, store, 2, torch.tensor([[2, 4]]))
+    assert set(store.pools[1].slot_of) == set(range(2, 12))  # its least recently used 0 and 1 went back
+    assert store.evidence()["borrowed_rows"] == 8
 
 
-def test_overflow_misses_take_lru_slots_first(ckpt):
-    """A call larger than the pool still evicts the pool's experts it does not need (LRU), and only
-    what does not fit goes to the stage."""
-    store = pooled(ckpt, slots=4)  # holds 0..3
-    assert_serves(ckpt, store, 0, torch.tensor([[0, 4], [5, 6], [7, 8]]))  # 0 needed; 1, 2, 3 evictable
+def test_overflow_misses_take_own_lru_rows_first(ckpt):
+    """A call larger than its layer's share still evicts that layer's experts it does not need (LRU)
+    first, and only what does not fit is borrowed."""
+    store = pooled(ckpt, slots=6)  # holds 0..5
+    assert_serves(ckpt, store, 0, torch.tensor([[0, 6], [7, 8], [9, 10], [11, 12]]))  # 0 needed; 1..5 evictable
     pool = store.pools[0]
-    assert 0 in pool.slot_of and len(pool.slot_of) == 4 and not {1, 2, 3} & set(pool.slot_of)
-    assert store.evidence()["staged_loads"] == 2
+    assert 0 in pool.slot_of and len(pool.slot_of) == 8 and not {1, 2, 3, 4, 5} & set(pool.slot_of)
+    assert store.evidence()["borrowed_rows"] == 2
 
 
-def test_pool_and_stage_bounds_hold_under_random_calls(ckpt):
-    """Budget accounting: whatever the calls and plans, no pool ever holds more than its slots and no
-    stage more than the E - S experts outside its pool."""
+def test_rows_are_never_shared_or_lost_under_random_calls(ckpt):
+    """Budget accounting: whatever the calls and plans, every row is free or holds exactly one expert
+    of one layer, the tables agree, and a call gets every expert it needs."""
     g = torch.Generator().manual_seed(5)
-    store = pooled(ckpt, slots=4, workers=1)
+    store = pooled(ckpt, slots=6, workers=1)
     for _ in range(100):
         layer = int(torch.randint(0, LAYERS, (1,), generator=g))
         tokens = int(torch.randint(1, 9, (1,), generator=g))
@@ -200,12 +210,10 @@ def test_pool_and_stage_bounds_hold_under_random_calls(ckpt):
         planned = torch.randperm(E, generator=g)[: int(torch.randint(1, E, (1,), generator=g))]
         store.prefetch((layer + 1) % LAYERS, planned.tolist())
         assert_serves(ckpt, store, layer, ids)
+        rows = list(store.free) + [r for pool in store.pools.values() for r in pool.slot_of.values()]
+        assert sorted(rows) == list(range(store.rows))
         for pool in store.pools.values():
-            assert len(pool.slot_of) + len(pool.free) == 4
-        for stage in store.stages:
-            assert len(stage.row_of) + len(stage.free) == E - 4
-            if stage.layer is not None:  # filled for a coming call: none of it duplicates the pool
-                assert not set(stage.row_of) & set(store.pools[stage.layer].slot_of)
+            assert {e: int(pool.table[e]) for e in range(E) if pool.table[e] >= 0} == dict(pool.slot_of)
     store.close()
 
 
@@ -237,7 +245,10 @@ def test_bad_budgets_refused(ckpt):
     with pytest.raises(MoebenchError, match="unknown --offload-tier"):
         make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="tape"))
     expert = cfg.expert_param_count * 4
-    assert slots_for_budget(cfg, RuntimeConfig(expert_budget=f"{5 * LAYERS * expert / 2**20}MiB")) == 5
+    assert slots_for_budget(cfg, RuntimeConfig(expert_budget=f"{7 * LAYERS * expert / 2**20}MiB")) == 7
+    # a call can need all 16 experts of a layer: 3 layers x 5 rows cannot hold them
+    with pytest.raises(MoebenchError, match=r"a call can need all 16 of one layer: use at least 0.375"):
+        slots_for_budget(cfg, RuntimeConfig(expert_budget=f"{5 * LAYERS * expert / 2**20}MiB"))
     assert slots_for_budget(cfg, RuntimeConfig(expert_budget="8GB")) == E
     assert slots_for_budget(cfg, RuntimeConfig(expert_budget="0.5")) == E // 2
     store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget="8GB"))
@@ -245,7 +256,7 @@ def test_bad_budgets_refused(ckpt):
 
 
 def test_engine_refuses_too_small_budget_before_running(ckpt):
-    with pytest.raises(MoebenchError, match="use at least 0.125"):
+    with pytest.raises(MoebenchError, match="use at least 0.375"):
         generate(ckpt, expert_budget=0.1, prefetch="lookahead")
 
 
@@ -320,7 +331,7 @@ def test_truncated_checkpoint_fails_loudly(ckpt, tmp_path):
     w2 = torch.empty_like(ckpt.layers[0].w2[0])
     with pytest.raises(MoebenchError, match="short read"):
         tier.load(*last, w13, w2)
-    store = PooledStore(copy, RuntimeConfig(expert_budget=0.25), tier, 4, workers=1)
+    store = PooledStore(copy, RuntimeConfig(expert_budget=0.5), tier, 8, workers=1)
     layer, expert = last
     store.prefetch(layer, [expert])
     store.fetch((layer + 1) % LAYERS, torch.tensor([[0, 1]]))

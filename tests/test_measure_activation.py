@@ -99,7 +99,7 @@ def test_off_and_lookahead_get_the_same_store(tier):
                                                                  offload_tier=tier))
         ev = store.evidence()
         stores[prefetch] = ({k: ev[k] for k in ("load_workers", "native_loader", "loader_cpus", "slots_per_layer",
-                                                "expert_dtype", "staging_bytes")},
+                                                "expert_dtype", "rows")},
                             store.demand_executor is not None)
         store.close()
     assert stores["off"] == stores["lookahead"]

@@ -46,12 +46,12 @@ class GatedTier(HostTier):
         return super().load(layer, expert, w13_dst, w2_dst)
 
 
-def store_for(ckpt, slots=4, workers=1, tier=None):
+def store_for(ckpt, slots=6, workers=1, tier=None):
     return PooledStore(ckpt, RuntimeConfig(expert_budget=slots / E), tier or GatedTier(ckpt), slots, workers)
 
 
 def test_precision_recall_and_prefetch_hits(ckpt):
-    store = store_for(ckpt)  # holds experts 0..3 in every layer
+    store = store_for(ckpt)  # holds experts 0..5 in every layer
     # Layer 1 predicted {2, 8, 9}: 8 and 9 are loaded ahead, 2 is already resident.
     store.fetch(0, torch.tensor([[0, 1]]))
     store.prefetch(1, [8, 9, 2])
@@ -79,8 +79,8 @@ def test_wrong_prediction_not_started_is_cancelled_and_costs_nothing(ckpt):
     store.fetch(0, torch.tensor([[0, 1]]))
     store.prefetch(1, [8, 9])  # 8 blocks the only worker, so 9 waits in the queue
     assert tier.started.wait(10)
-    w13, w2, ids = store.fetch(1, torch.tensor([[5, 6]]))  # neither predicted expert is needed
-    assert torch.equal(w13[ids], ckpt.layers[1].w13[torch.tensor([[5, 6]])])
+    w13, w2, ids = store.fetch(1, torch.tensor([[6, 7]]))  # neither predicted expert is needed
+    assert torch.equal(w13[ids], ckpt.layers[1].w13[torch.tensor([[6, 7]])])
     ev = store.evidence()
     assert ev["prefetch_cancelled"] == 1 and 9 not in store.pools[1].slot_of
     assert (1, 9) not in tier.loads
@@ -121,20 +121,28 @@ def test_predictor_uses_each_layers_router_on_the_stream(ckpt):
     store.close()
 
 
-def test_prediction_larger_than_the_pool_is_staged(ckpt):
-    """At a large batch the next layer needs more experts than its pool holds: the surplus of the
-    prediction is loaded into that layer's stage and served from there, exactly, with no demand load."""
+def test_prediction_larger_than_the_layers_share_borrows_rows(ckpt):
+    """At a large batch the next layer needs more experts than its share of the rows: the surplus of
+    the prediction takes rows from the layer that ran last (needed again furthest ahead), is served
+    from there exactly with no demand load, and the store's memory stays what the budget gave it."""
     tier = GatedTier(ckpt)
-    store = store_for(ckpt, slots=4, tier=tier)  # pools hold 0..3
-    wanted = list(range(2, 12))  # 10 experts: 2, 3 resident; 4, 5 evict 0, 1; 6..11 staged
+    store = store_for(ckpt, slots=6, tier=tier)  # every layer holds 0..5
+    rows_before = store.rows
+    wanted = list(range(2, 14))  # 12 experts: 2..5 resident; 6, 7 evict 0, 1; 8..13 borrow layer 0's rows
     store.fetch(0, torch.tensor([[0, 1]]))
     store.prefetch(1, wanted)
-    ids = torch.tensor(wanted).view(5, 2)
+    assert set(store.pools[0].slot_of) == set() and len(store.pools[2].slot_of) == 6
+    ids = torch.tensor(wanted).view(6, 2)
     w13, w2, slot_ids = store.fetch(1, ids)
     assert torch.equal(w13[slot_ids], ckpt.layers[1].w13[ids]) and torch.equal(w2[slot_ids], ckpt.layers[1].w2[ids])
     ev = store.evidence()
     assert ev["expert_misses"] == 0 and ev["prefetch_hits"] == ev["prefetch_issued"] == 8
-    assert ev["staged_loads"] == 6 and ev["prediction_recall"] == 1.0
+    assert ev["borrowed_rows"] == 6 and ev["prediction_recall"] == 1.0
+    assert store.rows == rows_before and ev["expert_pool_bytes"] == store.w13.nbytes + store.w2.nbytes
+    # layer 0 gets rows back from the layer holding more than its share
+    assert_rows = store.fetch(0, torch.tensor([[0, 1]]))
+    assert torch.equal(assert_rows[0][assert_rows[2]], ckpt.layers[0].w13[torch.tensor([[0, 1]])])
+    assert len(store.pools[1].slot_of) == 10 and len(store.pools[0].slot_of) == 2
     store.close()
 
 
