@@ -31,14 +31,24 @@ import time
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (all threads) from /proc/PID/stat."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a server (all threads of all processes of its process group: the
+    HTTP front end and the engine process) from /proc."""
+    group, total = os.getpgid(pid), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == group:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def in_process_at_concurrency(engine, requests, prompt_ids, concurrency):
     """Engine steps with at most `concurrency` requests in the engine: one joins between steps for
-    each that finished. Returns (completions in request order, decode tokens, decode s, wall s, steps)."""
+    each that finished. Returns (completions in request order, decode tokens, decode s, wall s, steps, decode steps)."""
     from moebench.engine.sequence import Sequence
 
     session = engine.session(max(len(ids) for ids in prompt_ids) + max(r.max_new_tokens for r in requests))
@@ -52,12 +62,13 @@ def in_process_at_concurrency(engine, requests, prompt_ids, concurrency):
     for _ in range(min(concurrency, len(queue))):
         admit()
     decode_tokens = decode_s = 0.0
-    seen = steps = 0
+    seen = steps = decode_steps = 0
     try:
         while session.has_work():
             record = session.step()
             steps += 1
             if record["phase"] != "prefill":
+                decode_steps += 1
                 decode_tokens += record["decode_tokens"]
                 decode_s += record["duration_s"]
             while seen < len(session.completions):
@@ -68,7 +79,7 @@ def in_process_at_concurrency(engine, requests, prompt_ids, concurrency):
         session.close()
     wall = time.perf_counter() - started
     order = {r.id: i for i, r in enumerate(requests)}
-    return sorted(session.completions, key=lambda c: order[c.id]), decode_tokens, decode_s, wall, steps
+    return sorted(session.completions, key=lambda c: order[c.id]), decode_tokens, decode_s, wall, steps, decode_steps
 
 
 def main() -> None:
@@ -117,7 +128,7 @@ def main() -> None:
             local = Engine(ckpt, tokenizer, runtime).generate(requests)
             local_cpu = time.process_time() - cpu
             cpu = time.process_time()
-            capped, c_tok, c_s, c_wall, c_steps = in_process_at_concurrency(
+            capped, c_tok, c_s, c_wall, c_steps, c_decode_steps = in_process_at_concurrency(
                 Engine(ckpt, tokenizer, runtime), requests, prompt_ids, a.concurrency)
             capped_cpu = time.process_time() - cpu
             d_tok, d_s = local.phase_totals("decode_tokens", ("decode", "mixed"))
@@ -148,6 +159,7 @@ def main() -> None:
                 "inproc_steps": len(local.steps),
                 "inproc_c_steps": c_steps,
                 "inproc_c_cpu_s": capped_cpu,
+                "inproc_c_decode_batch": c_tok / max(1, c_decode_steps),
                 "server_steps": after["steps"] - before["steps"],
                 # rows per decode step: how full the server's batches were
                 "server_decode_batch": (after["decode_tokens"] - before["decode_tokens"]) / max(1, (

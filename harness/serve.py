@@ -6,12 +6,14 @@ Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/ch
 `stream_options.include_usage` is set), `GET /v1/moebench/evidence` (the engine's activation
 evidence, switches and backend names) and `GET /metrics` (Prometheus text format).
 
-One engine thread owns the model, the KV cache and the scheduler (an `EngineSession` that stays
-open): torch never runs on the event loop. Requests reach it through a thread-safe inbox and join
-the scheduler between steps, so `--scheduler continuous` admits them into the running batch at the
-next step, while `static` batches what arrived together and starts the next batch when this one
-ends. After each step the engine thread hands every new piece of text to the event loop in one
-`call_soon_threadsafe`, and each response streams its pieces as they come.
+The engine (model, KV cache, scheduler) runs in a process of its own (`moebench.serve_core`),
+forked before the server starts and fed through a pipe, as vLLM's API server feeds its engine
+core: torch never runs in the process of the event loop, and no GIL is shared between stepping the
+engine and serving HTTP. Requests join the scheduler between steps, so `--scheduler continuous`
+admits them into the running batch at the next step, while `static` batches what arrived together
+and starts the next batch when this one ends. After each step the engine sends the new token ids of
+every sequence in one message; the front end detokenizes them and each response streams its pieces
+as they come.
 
 Decoding is greedy (the runtime's only mode): a request asking for sampling gets a 400, as does
 anything else the runtime cannot honour. Limits: prompt plus max_tokens within `--max-model-len`,
@@ -117,21 +119,21 @@ class TextStream:
         return rest, ok
 
 
-# ----------------------------------------------------------------------------- the engine thread
+# ----------------------------------------------------------------------------- the engine process
 
 
 @dataclass
 class Handle:
-    """One sequence a client waits for. The engine thread fills it; the event loop reads `queue`."""
+    """One sequence a client waits for. The event loop fills `sink` from the engine's messages."""
 
-    request_id: str
     index: int  # the choice index inside its HTTP request
     sink: object  # asyncio.Queue of events, shared by the choices of one HTTP request
     prompt_ids: list[int]
     max_tokens: int
     stops: tuple[str, ...]
-    seq: object = None
-    stream: TextStream | None = None
+    stream: TextStream
+    output_ids: list[int] = field(default_factory=list)
+    key: int = -1  # the engine's name for it
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -147,255 +149,170 @@ class Event:
     prompt_tokens: int = 0
 
 
-class ServingEngine:
-    """The engine thread and its inbox. Everything the engine owns is touched only by that thread;
-    the event loop sends it callables (`_call`) and receives events (`call_soon_threadsafe`)."""
+class EngineClient:
+    """The front end's side of the engine process (`moebench.serve_core`): sends requests down the
+    pipe, and turns what comes back into each response's events on the event loop. A reader thread
+    waits on the pipe; everything else (the handles, detokenizing, the counters) is the loop's."""
 
-    def __init__(self, engine, max_model_len: int, max_queue: int, batch_window_s: float, threads: int | None):
-        self.engine = engine
-        self.runtime = engine.runtime
-        self.max_model_len = max_model_len
-        self.max_queue = max_queue
-        self.batch_window_s = batch_window_s
-        self.threads = threads
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, options, tokenizer_path: Path, close_fds: tuple[int, ...] = ()):
+        from moebench.serve_core import COUNTERS, start_core
+
+        self.options = options
+        self.max_queue = options.max_queue
+        self.proc, self.conn = start_core(options, close_fds)
+        kind, info = self._first_message()
+        if kind == "failed":
+            self.proc.join(timeout=10)
+            raise MoebenchError(info)
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = options.max_model_len or info["max_position_embeddings"]
+        # after the fork: the tokenizer's own threads must not exist in the engine process
+        from moebench.engine.loader import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.loop = None
-        self.session = None
         self.ready = threading.Event()
-        self.failed: BaseException | None = None
-        self.in_server = 0  # sequences accepted and not finished (the event loop counts them)
-        self._live: dict[int, Handle] = {}  # id(seq) -> handle, engine thread only
-        self._thread = threading.Thread(target=self._main, name="moebench-engine", daemon=True)
-        self.on_failure = None  # called on the engine thread if it dies (the server then shuts down)
-        self._stopping = False
-        # counters for /metrics (written by the engine thread; ints and floats are read whole)
-        self.m_requests = {"ok": 0, "aborted": 0, "rejected": 0}
+        self.failed: str | None = None
+        self.on_failure = None  # called on the event loop if the engine dies (the server then shuts down)
+        self.in_server = 0  # sequences accepted and not finished
+        self._live: dict[int, Handle] = {}
+        self._next_key = 0
+        self._calls: dict[int, object] = {}
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="moebench-engine-reader", daemon=True)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.m_rejected = 0
+        self.m_text_mismatch = 0
         self.m_prompt_tokens = 0
         self.m_generated_tokens = 0
-        self.m_steps = 0
-        self.m_decode_tokens = 0
-        self.m_decode_s = 0.0
-        self.m_prefill_tokens = 0
-        self.m_prefill_s = 0.0
-        self.m_text_mismatch = 0
-        self.m_idle_s = 0.0  # the engine thread waiting with no request to run
+
+    def _first_message(self):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(timeout=10)
+            raise MoebenchError(f"the engine process ended while loading the model (exit code {self.proc.exitcode})")
 
     # --- lifecycle (event loop side)
 
     def start(self, loop) -> None:
         self.loop = loop
-        self._thread.start()
+        self._reader.start()
 
     def stop(self) -> None:
-        self._stopping = True
-        self.inbox.put(None)
-        self._thread.join(timeout=30)
+        try:
+            self._send(None)
+        except OSError:
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self.conn.send(message)
 
     # --- requests (event loop side)
 
     def submit(self, handles: list[Handle]) -> None:
+        for h in handles:
+            h.key, self._next_key = self._next_key, self._next_key + 1
+            self._live[h.key] = h
         self.in_server += len(handles)
-        self.inbox.put(("add", handles))
+        self.m_prompt_tokens += sum(len(h.prompt_ids) for h in handles)
+        self._send(("add", [(h.key, h.prompt_ids, h.max_tokens, h.stops, h.arrival) for h in handles]))
 
     def abort(self, handles: list[Handle]) -> None:
-        self.inbox.put(("abort", handles))
+        if self.failed is None:
+            self._send(("abort", [h.key for h in handles if h.key in self._live]))
 
-    async def call(self, fn):
-        """Run `fn()` on the engine thread between steps and return its result."""
+    async def evidence(self) -> dict:
         future = self.loop.create_future()
-
-        def run():
-            try:
-                result = fn()
-            except BaseException as e:  # handed to the awaiting coroutine
-                self.loop.call_soon_threadsafe(_settle, future, None, e)
-            else:
-                self.loop.call_soon_threadsafe(_settle, future, result, None)
-
-        self.inbox.put(("call", run))
+        call_id = id(future)
+        self._calls[call_id] = future
+        self._send(("evidence", call_id))
         return await future
 
-    # --- engine thread
+    # --- messages from the engine
 
-    def _main(self) -> None:
-        try:
-            if self.threads:
-                import torch
-
-                torch.set_num_threads(self.threads)  # per thread under OpenMP: set where torch runs
-            self._warm_up()
-            self.session = self.engine.session(self.max_model_len)
-            self.ready.set()
-            self._loop()
-        except BaseException as e:  # reported on /health and to every waiting client
-            self.failed = e
-            self.ready.set()
-            print(f"moebench serve: engine thread failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            if self._live and self.loop is not None:
-                self.loop.call_soon_threadsafe(self._deliver, [(h, None) for h in self._live.values()])
-            if self.on_failure is not None:
-                self.on_failure()
-        finally:
-            if self.session is not None:
-                self.session.close()
-
-    def _warm_up(self) -> None:
-        """One short generation before /health says ready: first-use costs (the CPU kernel's build,
-        lazy imports, allocator growth) must not land on the first client."""
-        from moebench.engine import Request
-
-        started = time.perf_counter()
-        eos = set(self.engine.eos_ids)
-        ids = [t for t in range(min(self.engine.cfg.vocab_size, 64)) if t not in eos][:8]
-        self.engine.generate([Request("warm-up", "", 4)], prompt_ids=[ids])
-        print(f"moebench serve: warm-up {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-
-    def _loop(self) -> None:
-        session = self.session
-        inbox = self.inbox
+    def _read(self) -> None:
+        """The reader thread: hands each message to the event loop, and the pipe's end as a failure."""
         while True:
-            if not session.has_work():
-                idle_since = time.perf_counter()
-                message = inbox.get()  # idle: sleep until something arrives
-                self.m_idle_s += time.perf_counter() - idle_since
-                if not self._handle(message):
-                    return
-                if self.batch_window_s > 0:
-                    self._gather()
-            while True:  # whatever else arrived since the last step
-                try:
-                    message = inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if not self._handle(message):
-                    return
-            if session.has_work():
-                record = session.step()
-                self._publish(session.last_batch, record)
-
-    def _gather(self) -> None:
-        """After an idle spell, wait up to the batch window for the batch to fill: requests sent
-        together reach the engine a little apart, and a static batch that started with the first
-        would leave the rest waiting for the whole batch."""
-        deadline = time.perf_counter() + self.batch_window_s
-        sched = self.session.scheduler
-        while len(sched.waiting) < self.runtime.batch_size:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
             try:
-                message = self.inbox.get(timeout=left)
-            except queue.Empty:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = ("gone", None)
+            try:
+                self.loop.call_soon_threadsafe(self._on_message, message)
+            except RuntimeError:  # the event loop has closed: the server is shutting down
                 return
-            if not self._handle(message):
-                self.inbox.put(None)  # let the main loop see the stop
+            if message[0] in ("failed", "gone"):
                 return
 
-    def _handle(self, message) -> bool:
-        if message is None:
-            return False
-        kind, payload = message
-        if kind == "add":
-            from moebench.engine.sequence import Request, Sequence
+    def _on_message(self, message) -> None:
+        kind = message[0]
+        if kind == "step":
+            self._on_step(message[1])
+            self.counters.update(zip(self.counters, message[2]))
+        elif kind == "aborted":
+            self.counters.update(zip(self.counters, message[2]))
+            for key in message[1]:
+                h = self._live.pop(key, None)
+                if h is not None:
+                    self.in_server -= 1
+                    h.sink.put_nowait(None)
+        elif kind == "reply":
+            future = self._calls.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == "ready":
+            self.ready.set()
+        elif kind in ("failed", "gone"):
+            self._engine_gone(message[1])
 
-            for h in payload:
-                h.seq = Sequence(Request(h.request_id, "", h.max_tokens, h.stops), h.prompt_ids, h.max_tokens,
-                                 h.arrival)
-                h.stream = TextStream(self.engine.tokenizer, h.stops)
-                self._live[id(h.seq)] = h
-                self.session.add(h.seq)
-                self.m_prompt_tokens += len(h.prompt_ids)
-        elif kind == "abort":
-            events = []
-            for h in payload:
-                if h.seq is not None and self.session.abort(h.seq):
-                    self._live.pop(id(h.seq), None)
-                    self.m_requests["aborted"] += 1
-                    events.append((h, None))
-            if events:
-                self.loop.call_soon_threadsafe(self._deliver, events)
-        elif kind == "call":
-            payload()
-        return True
-
-    def _publish(self, batch, record: dict) -> None:
-        self.m_steps += 1
-        if record["phase"] == "prefill":
-            self.m_prefill_tokens += record["num_tokens"]
-            self.m_prefill_s += record["duration_s"]
-        else:
-            self.m_decode_tokens += record["decode_tokens"]
-            self.m_decode_s += record["duration_s"]
-        events = []
-        for seq in batch:
-            h = self._live.get(id(seq))
+    def _on_step(self, outputs) -> None:
+        for key, new_ids, made, when, finish_reason, final_text, prompt_tokens in outputs:
+            h = self._live.get(key)
             if h is None:
                 continue
-            made = len(seq.output_ids)
-            when = seq.token_times[-1]
-            if seq.finished:
-                del self._live[id(seq)]
-                rest, ok = h.stream.finish(seq.text)
+            h.output_ids.extend(new_ids)
+            if finish_reason is not None:
+                del self._live[key]
+                self.in_server -= 1
+                self.m_generated_tokens += made
+                rest, ok = h.stream.finish(final_text)
                 if not ok:
                     self.m_text_mismatch += 1
-                self.m_requests["ok"] += 1
-                self.m_generated_tokens += made
-                events.append((h, Event(h.index, rest, made, when, seq.finish_reason, len(seq.prompt_ids))))
+                h.sink.put_nowait(Event(h.index, rest, made, when, finish_reason, prompt_tokens))
             else:
-                piece = h.stream.advance(seq.output_ids)
+                piece = h.stream.advance(h.output_ids)
                 if piece:
-                    events.append((h, Event(h.index, piece, made, when)))
-        if events:
-            self.loop.call_soon_threadsafe(self._deliver, events)
+                    h.sink.put_nowait(Event(h.index, piece, made, when))
 
-    # --- event loop side
+    def _engine_gone(self, message: str | None) -> None:
+        if self.failed is not None:
+            return
+        if message is None:  # the pipe closed without a word: the process died
+            self.proc.join(timeout=5)
+            if self._stopping_cleanly():
+                return
+            message = f"the engine process died (exit code {self.proc.exitcode})"
+        self.failed = message
+        self.ready.set()
+        for h in self._live.values():
+            h.sink.put_nowait(None)
+        self.in_server -= len(self._live)
+        self._live.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(ApiError(503, f"engine failed: {message}", "engine_failed"))
+        self._calls.clear()
+        if self.on_failure is not None:
+            self.on_failure()
 
-    def _deliver(self, events) -> None:
-        for h, event in events:
-            if event is None or event.finish_reason is not None:
-                self.in_server -= 1
-            h.sink.put_nowait(event)
-
-    # --- views (run on the engine thread through `call`)
-
-    def evidence(self) -> dict:
-        from moebench.kernels import fused_backend
-        from moebench.kernels.cpu_attention import decode_attention_backend
-
-        rt = self.runtime
-        session = self.session
-        ev = session.evidence()
-        return {
-            "schema": "moebench.serve.evidence/1",
-            "switches": rt.switches(),
-            "runtime": {"device": rt.device, "dtype": str(rt.torch_dtype).replace("torch.", ""),
-                        "batch_size": rt.batch_size, "admission": rt.admission,
-                        "expert_budget": rt.expert_budget, "offload_tier": rt.offload_tier,
-                        "kv_block_size": rt.kv_block_size, "kv_capacity_tokens": session.kv_capacity_tokens,
-                        "max_model_len": self.max_model_len, "max_queue": self.max_queue,
-                        "batch_window_ms": self.batch_window_s * 1000},
-            "backends": {"fused_moe": fused_backend(rt.device),
-                         "decode_attention": decode_attention_backend(rt.device, rt.torch_dtype)},
-            "evidence": ev,
-            # judged over everything served so far; a switch with no evidence yet shows here
-            "activation_errors": session.activation_errors(ev, session.num_requests),
-            "requests": session.num_requests,
-            "steps": session.num_steps,
-            "decode_tokens": self.m_decode_tokens,
-            "decode_s": self.m_decode_s,
-            "prefill_tokens": self.m_prefill_tokens,
-            "prefill_s": self.m_prefill_s,
-            "idle_s": self.m_idle_s,
-        }
-
-
-def _settle(future, result, error) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    def _stopping_cleanly(self) -> bool:
+        return self.proc.exitcode == 0
 
 
 # ----------------------------------------------------------------------------- request parsing
@@ -427,12 +344,13 @@ def _as_tuple(kinds):
 class RequestParser:
     """Checks a request body against what the runtime can do; anything else is a 400."""
 
-    def __init__(self, engine, served_model: str, max_model_len: int, default_max_tokens: int, chat_template):
-        self.engine = engine
+    def __init__(self, tokenizer, vocab_size: int, served_model: str, max_model_len: int, default_max_tokens: int,
+                 chat_template):
+        self.tokenizer = tokenizer
         self.served_model = served_model
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
-        self.vocab_size = engine.cfg.vocab_size
+        self.vocab_size = vocab_size
         self.chat_template = chat_template
 
     def parse(self, body, chat: bool) -> Parsed:
@@ -511,7 +429,7 @@ class RequestParser:
     def _text(self, text: str) -> list[int]:
         if not text:
             raise _bad("the prompt is empty", "invalid_prompt")
-        ids = self.engine.encode(text)
+        ids = self.tokenizer.encode(text).ids
         if not ids:
             raise _bad("the prompt encodes to no tokens", "invalid_prompt")
         return ids
@@ -562,7 +480,7 @@ def load_chat_template(model_dir: Path):
 # ----------------------------------------------------------------------------- the HTTP app
 
 
-def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, log_requests: bool = False):
+def build_app(serving: EngineClient, parser: RequestParser, served_model: str, log_requests: bool = False):
     import asyncio
     import contextlib
 
@@ -612,7 +530,7 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
     @app.get("/v1/moebench/evidence")
     async def evidence():
         _ready_or_raise(serving)
-        return await serving.call(serving.evidence)
+        return await serving.evidence()
 
     @app.get("/metrics")
     async def metrics():
@@ -625,18 +543,20 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
             for labels, value in samples:
                 lines.append(f"moebench:{name}{labels} {value}")
 
+        c = s.counters
         metric("requests_total", "counter", "Requests (one per prompt) by outcome.",
-               [(f'{{outcome="{k}"}}', v) for k, v in s.m_requests.items()])
+               [('{outcome="ok"}', c["ok"]), ('{outcome="aborted"}', c["aborted"]),
+                ('{outcome="rejected"}', s.m_rejected)])
         metric("prompt_tokens_total", "counter", "Prompt tokens accepted.", [("", s.m_prompt_tokens)])
         metric("generated_tokens_total", "counter", "Tokens generated for finished requests.",
                [("", s.m_generated_tokens)])
-        metric("engine_steps_total", "counter", "Engine steps run.", [("", s.m_steps)])
-        metric("decode_tokens_total", "counter", "Tokens made by decode steps.", [("", s.m_decode_tokens)])
-        metric("decode_seconds_total", "counter", "Wall time of decode steps.", [("", f"{s.m_decode_s:.6f}")])
-        metric("prefill_tokens_total", "counter", "Prompt tokens run by prefill steps.", [("", s.m_prefill_tokens)])
-        metric("prefill_seconds_total", "counter", "Wall time of prefill steps.", [("", f"{s.m_prefill_s:.6f}")])
-        metric("engine_idle_seconds_total", "counter", "Time the engine thread waited with no request to run.",
-               [("", f"{s.m_idle_s:.6f}")])
+        metric("engine_steps_total", "counter", "Engine steps run.", [("", c["steps"])])
+        metric("decode_tokens_total", "counter", "Tokens made by decode steps.", [("", c["decode_tokens"])])
+        metric("decode_seconds_total", "counter", "Wall time of decode steps.", [("", f"{c['decode_s']:.6f}")])
+        metric("prefill_tokens_total", "counter", "Prompt tokens run by prefill steps.", [("", c["prefill_tokens"])])
+        metric("prefill_seconds_total", "counter", "Wall time of prefill steps.", [("", f"{c['prefill_s']:.6f}")])
+        metric("engine_idle_seconds_total", "counter", "Time the engine process waited with no request to run.",
+               [("", f"{c['idle_s']:.6f}")])
         metric("requests_in_server", "gauge", "Requests accepted and not finished.", [("", s.in_server)])
         metric("stream_text_mismatch_total", "counter",
                "Requests whose streamed pieces were not a prefix of the final text (a bug if not 0).",
@@ -659,7 +579,7 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
             _ready_or_raise(serving)
             parsed = parser.parse(body, chat)
             if serving.in_server + len(parsed.prompts) > serving.max_queue:
-                serving.m_requests["rejected"] += len(parsed.prompts)
+                serving.m_rejected += len(parsed.prompts)
                 raise ApiError(429, f"the server holds {serving.in_server} requests (limit {serving.max_queue}); "
                                "retry later", "queue_full")
         except ApiError as e:
@@ -667,7 +587,7 @@ def build_app(serving: ServingEngine, parser: RequestParser, served_model: str, 
             return
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         sink: asyncio.Queue = asyncio.Queue()
-        handles = [Handle(f"{rid}-{i}", i, sink, ids, parsed.max_tokens, parsed.stops)
+        handles = [Handle(i, sink, ids, parsed.max_tokens, parsed.stops, TextStream(serving.tokenizer, parsed.stops))
                    for i, ids in enumerate(parsed.prompts)]
         serving.submit(handles)
         if log_requests:
@@ -834,13 +754,13 @@ class ClientGone(Exception):
     pass
 
 
-def _taken_out(serving: ServingEngine) -> ApiError:
+def _taken_out(serving: EngineClient) -> ApiError:
     if serving.failed is not None:
         return ApiError(503, f"engine failed: {serving.failed}", "engine_failed")
     return ApiError(503, "the request was aborted", "aborted")
 
 
-def _ready_or_raise(serving: ServingEngine) -> None:
+def _ready_or_raise(serving: EngineClient) -> None:
     if serving.failed is not None:
         raise ApiError(503, f"engine failed: {serving.failed}", "engine_failed")
     if not serving.ready.is_set():
@@ -873,8 +793,9 @@ def serve_command(
     """Serve the runtime behind an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     import socket
 
-    from moebench.engine import Engine, RuntimeConfig
-    from moebench.run import _load_model, _parse_budget, bundled_model_path
+    from moebench.engine import RuntimeConfig
+    from moebench.run import _parse_budget, bundled_model_path
+    from moebench.serve_core import CoreOptions
 
     if not 0 <= port <= 65535:
         raise MoebenchError(f"--port must be in 0..65535, got {port}")
@@ -894,30 +815,30 @@ def serve_command(
                             expert_budget=_parse_budget(expert_budget or "1.0"), offload_tier=offload_tier)
     if threads is None and device == "cpu":
         threads = 1
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    model_path = model or bundled_model_path()
-    ckpt, tokenizer = _load_model(model_path, runtime)
-    engine = Engine(ckpt, tokenizer, runtime)
-    context = max_model_len or ckpt.config.max_position_embeddings
-    if context < 2:
-        raise MoebenchError(f"--max-model-len must be >= 2, got {context}")
-    served = served_model_name or ("bundled" if model is None else Path(model_path).resolve().name)
+    if max_model_len is not None and max_model_len < 2:
+        raise MoebenchError(f"--max-model-len must be >= 2, got {max_model_len}")
+    model_path = Path(model or bundled_model_path())
+    if not (model_path / "config.json").is_file():
+        raise MoebenchError(f"{model_path}: not a checkpoint directory (no config.json)")
     window = (10.0 if scheduler == "static" else 0.0) if batch_window_ms is None else batch_window_ms
-    serving = ServingEngine(engine, context, max_queue, window / 1000, threads)
-    parser = RequestParser(engine, served, context, max_new_tokens, load_chat_template(Path(model_path)))
+    options = CoreOptions(str(model_path), runtime, max_model_len, max_queue, window / 1000, threads)
+    serving = EngineClient(options, model_path, close_fds=(sock.fileno(),))
+    served = served_model_name or ("bundled" if model is None else model_path.resolve().name)
+    parser = RequestParser(serving.tokenizer, serving.vocab_size, served, serving.max_model_len, max_new_tokens,
+                           load_chat_template(model_path))
     app = build_app(serving, parser, served, log_requests)
 
     import uvicorn
 
     print(f"moebench serve: model '{served}' ({model_path}), switches {runtime.switches()}, "
-          f"listening on http://{host}:{bound}", flush=True)
+          f"engine process {serving.proc.pid}, listening on http://{host}:{bound}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     serving.on_failure = lambda: setattr(server, "should_exit", True)  # a dead engine must not look alive
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        serving.stop()
     if serving.failed is not None:
         raise MoebenchError(f"engine failed: {serving.failed}")
 

@@ -154,7 +154,7 @@ class OpenAIEngine:
         return body
 
     async def _one(self, client, request) -> HttpCompletion:
-        import httpx
+        import aiohttp
 
         o = self.options
         path = "/v1/chat/completions" if o.chat else "/v1/completions"
@@ -166,17 +166,17 @@ class OpenAIEngine:
             text, finish, usage = [], None, None
             error, retry = None, False
             try:
-                async with client.stream("POST", self.base_url + path, json=body) as response:
-                    if response.status_code != 200:
-                        detail = (await response.aread()).decode(errors="replace")[:200]
-                        error = f"HTTP {response.status_code}: {detail}"
-                        retry = response.status_code in RETRYABLE_STATUS
+                async with client.post(self.base_url + path, json=body) as response:
+                    if response.status != 200:
+                        detail = (await response.read()).decode(errors="replace")[:200]
+                        error = f"HTTP {response.status}: {detail}"
+                        retry = response.status in RETRYABLE_STATUS
                     else:
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data:"):
+                        async for line in response.content:
+                            if not line.startswith(b"data:"):
                                 continue
                             data = line[5:].strip()
-                            if data == "[DONE]":
+                            if data == b"[DONE]":
                                 break
                             chunk = json.loads(data)
                             if "error" in chunk:
@@ -189,7 +189,10 @@ class OpenAIEngine:
                                     times.append(time.perf_counter() - sent)
                                     text.append(piece)
                                 finish = choice.get("finish_reason") or finish
-            except (httpx.TransportError, json.JSONDecodeError) as e:
+                        else:
+                            if finish is None and error is None:
+                                raise aiohttp.ClientPayloadError("the stream ended before [DONE]")
+            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
                 error = f"{type(e).__name__}: {str(e)[:160]}"
                 retry = not times  # a retry after tokens arrived would count them twice
             if error is None:
@@ -208,15 +211,15 @@ class OpenAIEngine:
         return self.server is not None and self.server.exit_code is not None
 
     async def _run(self, requests, on_complete) -> tuple[list[HttpCompletion], float]:
-        import httpx
+        import aiohttp
 
         o = self.options
-        limits = httpx.Limits(max_connections=o.concurrency, max_keepalive_connections=o.concurrency)
-        timeout = httpx.Timeout(o.request_timeout_s, connect=10.0)
+        connector = aiohttp.TCPConnector(limit=o.concurrency, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=o.request_timeout_s, sock_connect=10.0)
         gate = asyncio.Semaphore(o.concurrency)
         done: list[HttpCompletion] = []
 
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             async def one(request):
                 async with gate:
                     completion = await self._one(client, request)
