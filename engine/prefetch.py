@@ -21,16 +21,74 @@ predicted loads that have not started, and waits for any it needs that are still
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
 from moebench.engine.expert_store import PooledStore, host_ids
 
 
+class PlanGovernor:
+    """Decides at run time whether guessing pays: every `window` plans it weighs what they cost the
+    model's thread (the time spent guessing and issuing) against what they saved it (prefetch hits
+    times what a demand load of one expert costs, as the store measures its own demand loads). Where
+    the saving is smaller (cheap loads: the host tier on a CPU, small experts) it stops predicting for
+    `pause` plans, during which misses load on demand as with prefetch=off, then tries again. No
+    demand load measured yet counts as a saving too large to stop for."""
+
+    def __init__(self, store, window: int = 48, pause: int = 480, enabled: bool = True):
+        self.store, self.window, self.pause, self.enabled = store, window, pause, enabled
+        self.paused_left = 0
+        self.pauses = self.resumes = self.skipped = 0
+        self.last = None  # the last decision: (cost s, saving s, plans)
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.plans, self.cost = 0, 0.0
+        self.hits0 = self.store.counters.total["prefetch_hits"]
+
+    def should_plan(self) -> bool:
+        if self.paused_left <= 0:
+            return True
+        self.paused_left -= 1
+        self.skipped += 1
+        if self.paused_left == 0:
+            self.resumes += 1
+            self._start_window()
+        return False
+
+    def planned(self, seconds: float) -> None:
+        self.plans += 1
+        self.cost += seconds
+        if self.plans < self.window or not self.enabled:
+            return
+        store = self.store
+        hits = store.counters.total["prefetch_hits"] - self.hits0
+        per_load = store.demand_seconds / store.demand_loads if store.demand_loads else None
+        saving = hits * per_load if per_load is not None else float("inf")
+        self.last = (self.cost, saving, self.plans)
+        if saving < self.cost:
+            self.pauses += 1
+            self.paused_left = self.pause
+        self._start_window()
+
+    def evidence(self) -> dict:
+        last = None
+        if self.last is not None:
+            cost, saving, plans = self.last
+            last = {"plans": plans, "guess_cost_us": round(cost * 1e6, 1),
+                    "saved_us": None if saving == float("inf") else round(saving * 1e6, 1),
+                    "paused": saving < cost}
+        return {"lookahead_governor": self.enabled, "lookahead_pauses": self.pauses,
+                "lookahead_resumes": self.resumes, "lookahead_skipped_plans": self.skipped,
+                "lookahead_last_decision": last}
+
+
 class LookaheadPrefetcher:
     name = "lookahead"
 
-    def __init__(self, ckpt, store, extra_per_token: int = 1, early: bool = False):
+    def __init__(self, ckpt, store, extra_per_token: int = 1, early: bool = False, governor: dict | None = None):
         cfg = ckpt.config
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         self.first = moe[0] if moe else None
@@ -62,6 +120,7 @@ class LookaheadPrefetcher:
         # With every expert resident there is nothing to load: the prefetcher stays idle.
         self.active = isinstance(store, PooledStore) and bool(moe)
         self.plans = 0
+        self.governor = PlanGovernor(store, **(governor or {})) if self.active else None
         # Grouped sigmoid routers (Ling-3.0) are guessed by their own routing, bias and groups included
         from moebench.engine.bailing_hybrid import GroupedRouterGuess
 
@@ -76,9 +135,13 @@ class LookaheadPrefetcher:
 
     def _plan(self, layer: int, h: torch.Tensor, router: torch.Tensor, k: int, normed_by: int | None = None) -> None:
         """`normed_by`: h is that layer's MoE input (the early guess), not the residual stream."""
+        if not self.governor.should_plan():
+            return
+        t0 = time.perf_counter()
         guess = self.grouped(layer, h, normed_by, k) if self.grouped else self._experts(h, router, k)
         self.store.prefetch(layer, guess)
         self.plans += 1
+        self.governor.planned(time.perf_counter() - t0)
 
     def before_forward(self, h: torch.Tensor) -> None:
         if self.active:
@@ -102,7 +165,7 @@ class LookaheadPrefetcher:
                              "(the first MoE layer's on the embeddings)",
                 "lookahead_plans": self.plans, "lookahead_per_token": self.k,
                 "lookahead_per_token_first_layer": self.k_first,
-                "lookahead_early": bool(self.early_routers),
+                "lookahead_early": bool(self.early_routers), **self.governor.evidence(),
                 "lookahead_router": "grouped sigmoid (bias, groups)" if self.grouped else "top-k of router logits"}
 
     def activation_errors(self, store) -> list[str]:

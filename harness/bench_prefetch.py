@@ -103,6 +103,14 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _ratio_or_none(a, b):
+    return a / b if a is not None and b else None
+
+
+def _mb(n):
+    return None if n is None else n / 1e6
+
+
 def _median_ratio(num: list[float], den: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
@@ -114,7 +122,7 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
     print(f"\nbatch {batch}: median decode time per token")
     print(f"{'config':19s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
           f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s} {'loaded MB':>9s} "
-          f"{'cores':>5s}")
+          f"{'cores':>5s} {'expert MB':>9s} {'of res.':>7s}")
     for name in names:
         t = statistics.median(times[name])
         ev = evidence[name]
@@ -123,6 +131,9 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
                **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
                                          "prediction_precision", "prediction_recall", "stall_s", "read_mode",
                                          "decode_hit_rate", "decode_bytes_loaded", "bytes_loaded")},
+               "expert_memory_bytes": ev.get("expert_memory_bytes"),
+               "expert_memory_vs_resident": _ratio_or_none(ev.get("expert_memory_bytes"),
+                                                           evidence["resident"].get("expert_memory_bytes")),
                "decode_stall_ms_per_token": statistics.median(stalls[name]),
                "cores_used": statistics.median(cores[name])}
         out["configs"][name] = row
@@ -131,7 +142,8 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
               f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
               f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('decode_hit_rate'), '10.1%')} "
               f"{statistics.median(stalls[name]):12.2f} {ev.get('decode_bytes_loaded', 0) / 1e6:9.2f} "
-              f"{statistics.median(cores[name]):5.2f}")
+              f"{statistics.median(cores[name]):5.2f} {_fmt(_mb(ev.get('expert_memory_bytes')), '9.2f')} "
+              f"{_fmt(row['expert_memory_vs_resident'], '7.0%')}")
     cost = _median_ratio(times["resident/lookahead"], times["resident"]) - 1
     out["budget_1_lookahead_cost"] = cost
     print(f"budget 1.0: lookahead costs {cost:+.1%} decode time vs off (median of paired repeats); "
@@ -194,6 +206,10 @@ def main(argv=None) -> int:
         path = args.model or (bundled_model_path() if bundled_model_path().exists() else random_checkpoint(args.workdir))
         t0 = time.perf_counter()
         ckpt = load_checkpoint(path)
+        # Each tier on the checkpoint it gets in a run (harness/run.py): the host tier's experts in the
+        # file's dtype, the disk tier's left in the files, so each config's expert memory is its own.
+        ckpts = {"resident": ckpt, "host": load_checkpoint(path, experts_in_checkpoint_dtype=True),
+                 "disk": load_checkpoint(path, experts_in_checkpoint_dtype=True, load_experts=False)}
         print(f"model {path} ({ckpt.config.num_layers} layers, {ckpt.config.num_experts} experts top-"
               f"{ckpt.config.top_k}, {ckpt.checkpoint_dtype}) loaded in {time.perf_counter() - t0:.1f}s", flush=True)
         tiers = [t for t in args.tiers.split(",") if t]
@@ -205,15 +221,18 @@ def main(argv=None) -> int:
                                  extra={"readers": args.readers, "lookahead_extra": args.lookahead_extra})
             runs += [(b, name, prompts, replace(base, **kw)) for name, kw in _configs(args.budget, tiers)]
 
+        def ckpt_for(rt):
+            return ckpts["resident"] if rt.expert_budget in (1, 1.0) else ckpts[rt.offload_tier]
+
         for _, _, prompts, rt in runs:  # warm-up: caches, lazy inits, the disk tier's first opens
-            _run(Engine, ckpt, prompts, replace(rt, max_new_tokens=2))
+            _run(Engine, ckpt_for(rt), prompts, replace(rt, max_new_tokens=2))
         times = {(b, n): [] for b, n, _, _ in runs}
         stalls = {(b, n): [] for b, n, _, _ in runs}
         cores = {(b, n): [] for b, n, _, _ in runs}
         evidence, reference = {}, {}
         for rep in range(args.repeats):
             for b, name, prompts, rt in runs:
-                out, per_token, result = _run(Engine, ckpt, prompts, rt)
+                out, per_token, result = _run(Engine, ckpt_for(rt), prompts, rt)
                 reference.setdefault(b, out)
                 if out != reference[b]:
                     raise MoebenchError(f"batch {b} {name}: output differs from the resident store's "

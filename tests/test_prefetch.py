@@ -318,3 +318,32 @@ def test_early_guess_uses_the_next_router_on_this_layers_moe_input(ckpt):
     store.prefetch(1, [9, 10])
     assert store.pools[1].predicted == {8, 9, 10}
     store.close()
+
+
+def test_governor_stops_guessing_where_loads_are_cheaper_than_guesses_and_resumes():
+    """Every `window` plans: saving = prefetch hits x the store's measured demand-load time per expert,
+    against the plans' own time. Cheaper loads than guesses: pause `pause` plans, then try again."""
+    from types import SimpleNamespace
+
+    from moebench.engine.prefetch import PlanGovernor
+
+    store = SimpleNamespace(counters=SimpleNamespace(total={"prefetch_hits": 0}), demand_seconds=0.0, demand_loads=0)
+    gov = PlanGovernor(store, window=4, pause=3)
+    for _ in range(4):  # no demand load measured yet: keep guessing
+        assert gov.should_plan()
+        store.counters.total["prefetch_hits"] += 2
+        gov.planned(50e-6)
+    assert gov.pauses == 0 and gov.evidence()["lookahead_last_decision"]["saved_us"] is None
+    store.demand_seconds, store.demand_loads = 20e-6 * 10, 10  # a load costs 20 us: 2 hits save 40 < 50 us
+    for _ in range(4):
+        assert gov.should_plan()
+        store.counters.total["prefetch_hits"] += 2
+        gov.planned(50e-6)
+    assert gov.pauses == 1 and gov.evidence()["lookahead_last_decision"]["paused"] is True
+    assert [gov.should_plan() for _ in range(4)] == [False, False, False, True]
+    assert gov.resumes == 1 and gov.skipped == 3
+    store.demand_seconds, store.demand_loads = 400e-6 * 10, 10  # disk-like loads: guessing pays
+    for _ in range(4):
+        store.counters.total["prefetch_hits"] += 2
+        gov.planned(50e-6)
+    assert gov.pauses == 1 and gov.should_plan()
