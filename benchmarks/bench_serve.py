@@ -14,9 +14,10 @@ Figures, per round and as medians:
                             request was past its first token (moebench.engines.openai)
   HTTP output tok/s         output tokens / wall time from the first request sent to the last answer
   server decode tok/s       the server's own step records (evidence endpoint), this round's share
-  CPU seconds               in-process: this process's CPU time in generate(); HTTP: the server
-                            process's CPU time (all its threads) and the client's, from /proc; on a
-                            loaded shared machine CPU time is steadier than wall time
+  CPU seconds               in-process: this process's CPU time in generate(); HTTP: the server's
+                            (front end and engine process, all threads, from /proc), the engine
+                            process's alone (its evidence) and the client's; on a loaded shared
+                            machine CPU time is steadier than wall time
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ def main() -> None:
                 "server_idle_s": after["idle_s"] - before["idle_s"],
                 "inproc_cpu_s": local_cpu,
                 "server_cpu_s": server_cpu,
+                "engine_cpu_s": after["engine_cpu_s"] - before["engine_cpu_s"],
                 "client_cpu_s": client_cpu,
                 "identical_outputs": same,
                 "identical_outputs_inproc_c": same_capped,
@@ -204,6 +206,7 @@ def main() -> None:
         "http_output / inproc_c_output": [r["http_output_tok_s"] / r["inproc_c_output_tok_s"] for r in rounds],
         "server_decode / inproc_c_decode": [r["server_decode_tok_s"] / r["inproc_c_decode_tok_s"] for r in rounds],
         "inproc_c_cpu / server_cpu": [r["inproc_c_cpu_s"] / r["server_cpu_s"] for r in rounds],
+        "inproc_c_cpu / engine_cpu": [r["inproc_c_cpu_s"] / r["engine_cpu_s"] for r in rounds],
     }
     summary["per_round_ratio_median"] = {k: statistics.median(v) for k, v in per_round.items()}
     summary["ratios"] = {

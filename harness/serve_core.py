@@ -201,6 +201,7 @@ class EngineCore:
             "prefill_tokens": c["prefill_tokens"],
             "prefill_s": c["prefill_s"],
             "idle_s": c["idle_s"],
+            "engine_cpu_s": time.process_time(),  # the engine process's CPU time, all its threads
         }
 
 

@@ -328,3 +328,40 @@ def test_an_engine_failure_reaches_the_client_and_ends_the_server():
             os.killpg(proc.pid, 9)
             proc.wait()
         assert _gone(proc.pid)
+
+
+def test_a_killed_engine_process_fails_its_requests_and_ends_the_server():
+    """The engine runs in a process of its own: killing it (as the OOM killer would) mid-stream
+    gives the client an error event, and the front end exits with status 2 instead of looking alive."""
+    proc = subprocess.Popen([sys.executable, "-m", "moebench", "serve", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if "listening on " in line:
+                url = line.split("listening on ")[1].strip()
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            asyncio.run(asyncio.sleep(0.1))
+        engine_pid = httpx.get(url + "/v1/moebench/evidence").json()["runtime"]["engine_process"]
+        assert engine_pid != proc.pid and os.getpgid(engine_pid) == proc.pid
+        body = {"prompt": [7] * 8, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            os.kill(engine_pid, 9)
+            events = [x[len("data: "):] for x in lines if x.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == "[DONE]"
+        assert proc.wait(timeout=30) == 2
+        assert "engine process died" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        assert _gone(proc.pid)
