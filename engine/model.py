@@ -17,6 +17,7 @@ from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
 from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
 from moebench.kernels.cpu_attention import paged_decode_attention
+from moebench.kernels.cpu_dense import linear
 from moebench.kernels.reference import route_softmax_topk
 
 
@@ -161,7 +162,9 @@ class MoeTransformer:
     attention_cpu.cpp) where it is built: residual add + RMSNorm in one call, a decode step's
     attention from the qkv projection to the output projection in one call, the router's top-k.
     Each computes exactly what the torch ops it replaces compute (tests compare bit for bit):
-    matmuls and softmax stay torch's own, the RMSNorm mean is summed in torch's order."""
+    softmax stays torch's own, the RMSNorm mean is summed in torch's order. Projections of a decode
+    step's few rows (qkv, output, router, LM head) go through `kernels.cpu_dense.linear` on both
+    paths: a streaming kernel on the step's thread pool (F.linear to float32 rounding)."""
 
     def __init__(self, ckpt: Checkpoint, moe_block):
         self.ckpt = ckpt
@@ -182,7 +185,7 @@ class MoeTransformer:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
         N = x.shape[0]
         B, Lq = batch.batch_size, batch.max_q
-        qkv = F.linear(x, w.qkv_proj, w.qkv_bias)
+        qkv = linear(x, w.qkv_proj, w.qkv_bias)
         if Lq == 1 and self.fast_decode_attention and self.ops is not None and kv.k[layer_idx].dtype == torch.float32:
             out = self.ops.decode_attention_block(
                 qkv, w.q_norm if cfg.qk_norm else None, w.k_norm if cfg.qk_norm else None, cfg.rms_norm_eps,
@@ -190,7 +193,7 @@ class MoeTransformer:
                 batch.context_blocks, batch.context_lens, kv.block_size, self.scale, cfg.sliding_window or 0,
                 cfg.num_heads)
             self._count_attention("cpp-block")
-            return F.linear(out, w.o_proj)
+            return linear(out, w.o_proj)
         q, k, v = qkv.split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
         q = q.view(N, cfg.num_heads, cfg.head_dim)
@@ -212,7 +215,7 @@ class MoeTransformer:
                                          cfg.sliding_window)
             if out is not None:
                 self._count_attention("cpp-paged")
-                return F.linear(out.view(B, cfg.num_heads * cfg.head_dim), w.o_proj)
+                return linear(out.view(B, cfg.num_heads * cfg.head_dim), w.o_proj)
         if Lq == 1:
             self._count_attention("torch-sdpa")
             qp = q.view(B, 1, cfg.num_heads, cfg.head_dim)
@@ -228,18 +231,18 @@ class MoeTransformer:
         out = out.transpose(1, 2).reshape(B * Lq, cfg.num_heads * cfg.head_dim)
         if Lq != 1:
             out = out[batch.padded_index]
-        return F.linear(out, w.o_proj)
+        return linear(out, w.o_proj)
 
     def _count_attention(self, backend: str) -> None:
         self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
-        gate, up = F.linear(x, w.dense_w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.dense_w2)
+        gate, up = linear(x, w.dense_w13).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w.dense_w2)
 
     def route(self, x, layer_idx: int):
-        logits = F.linear(x, self.ckpt.layers[layer_idx].router)
+        logits = linear(x, self.ckpt.layers[layer_idx].router)
         cfg = self.cfg
         # route_softmax_topk's softmax, then its stable top-k and renormalization in one call; the
         # renormalization's sum is one rounding for k <= 2, a torch reduction order beyond
@@ -266,7 +269,7 @@ class MoeTransformer:
             if select:
                 h = h[batch.last_token_index]
             h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
-            return F.linear(h, self.ckpt.lm_head).float()
+            return linear(h, self.ckpt.lm_head).float()
 
         # The same with residual add + RMSNorm in one call, which adds into h in place (h is this
         # forward's own tensor, and whoever read it before, the prefetcher, is done with it). The
@@ -287,7 +290,7 @@ class MoeTransformer:
                 x = add_norm(h, self.dense_mlp(x, i), next_norm, eps)
         if select:
             x = x[batch.last_token_index]
-        return F.linear(x, self.ckpt.lm_head).float()
+        return linear(x, self.ckpt.lm_head).float()
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")

@@ -27,7 +27,6 @@
 #include <torch/extension.h>
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +36,18 @@
 #include <mutex>
 #include <vector>
 
+// The step's thread pool (dense_cpu.cpp): fn(context, i) for i in [0, n) on up to `threads` threads.
+namespace moebench_cpu {
+void parallel_run(int64_t n, int threads, void (*fn)(void*, int64_t), void* context);
+}
+
 namespace {
+
+template <class F>
+void parallel_for(int64_t n, int threads, F&& f) {
+  moebench_cpu::parallel_run(
+      n, threads, [](void* c, int64_t i) { (*static_cast<std::remove_reference_t<F>*>(c))(i); }, &f);
+}
 
 // ---- the attention of one (sequence, kv head) item -------------------------------------
 //
@@ -203,37 +213,33 @@ void decode_attention_rows(const float* q, const float* k, const float* v, const
                            int64_t block_size, int64_t slot_stride, int64_t head_stride, float scale, int64_t window,
                            int threads) {
   const int64_t group = H / KVH;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    // per thread, reused by every work item: key and value rows, each head's scores (then weights)
-    std::vector<float> s;
-    std::vector<const float*> krows, vrows;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * KVH; ++item) {
-      const int64_t b = item / KVH, g = item % KVH;
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      if (static_cast<int64_t>(krows.size()) < n) {
-        s.resize(group * n);
-        krows.resize(n);
-        vrows.resize(n);
-      }
-      for (int64_t t = first; t < len; ++t) {
-        const int64_t slot = blocks[b * max_blocks + t / block_size] * block_size + t % block_size;
-        krows[t - first] = k + slot * slot_stride + g * head_stride;
-        vrows[t - first] = v + slot * slot_stride + g * head_stride;
-      }
-      const float* qb = q + (b * H + g * group) * D;
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = s.data() + h * n;
-        for (int64_t i = 0; i < n; i += 8)
-          scores8(qb + h * D, krows.data() + i, std::min<int64_t>(8, n - i), D, scale, sh + i);
-        const float l = softmax_weights(sh, n);
-        weighted_rows(vrows.data(), sh, n, D, l, out + (b * H + g * group + h) * D);
-      }
+  parallel_for(B * KVH, threads, [&](int64_t item) {
+    // per thread, reused by every item it runs: key and value rows, each head's scores (then weights)
+    thread_local std::vector<float> s;
+    thread_local std::vector<const float*> krows, vrows;
+    const int64_t b = item / KVH, g = item % KVH;
+    const int64_t len = lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t n = len - first;
+    if (static_cast<int64_t>(krows.size()) < n || static_cast<int64_t>(s.size()) < group * n) {
+      s.resize(std::max<int64_t>(s.size(), group * n));
+      krows.resize(std::max<int64_t>(krows.size(), n));
+      vrows.resize(std::max<int64_t>(vrows.size(), n));
     }
-  }
+    for (int64_t t = first; t < len; ++t) {
+      const int64_t slot = blocks[b * max_blocks + t / block_size] * block_size + t % block_size;
+      krows[t - first] = k + slot * slot_stride + g * head_stride;
+      vrows[t - first] = v + slot * slot_stride + g * head_stride;
+    }
+    const float* qb = q + (b * H + g * group) * D;
+    for (int64_t h = 0; h < group; ++h) {
+      float* sh = s.data() + h * n;
+      for (int64_t i = 0; i < n; i += 8)
+        scores8(qb + h * D, krows.data() + i, std::min<int64_t>(8, n - i), D, scale, sh + i);
+      const float l = softmax_weights(sh, n);
+      weighted_rows(vrows.data(), sh, n, D, l, out + (b * H + g * group + h) * D);
+    }
+  });
 }
 
 void check_pools(const torch::Tensor& k, const torch::Tensor& v, int64_t D, int64_t H) {

@@ -1,4 +1,4 @@
-// CPU fused mixture-of-experts forward: AVX2/FMA micro-kernels threaded with OpenMP.
+// CPU fused mixture-of-experts forward: AVX2/FMA micro-kernels on the step's thread pool (dense_cpu.cpp).
 //
 // Decode-time MoE on a CPU is bound by memory bandwidth: every routed expert's weights are
 // read once per step and each row meets only a handful of tokens. torch's skinny matmuls
@@ -9,10 +9,11 @@
 //   2. gate/up: for each (expert, block of intermediate rows) work item, the gate and up
 //      rows are dotted with all of that expert's tokens in one pass, and SiLU(gate) * up is
 //      written straight into the intermediate buffer (never materialising gate or up);
-//   3. down: for each block of output rows, every active expert's rows are dotted with its
-//      intermediate rows and accumulated into the output, already multiplied by the routed
-//      weight. A thread owns its output rows, so the top-k reduction needs no atomics and
-//      adds experts in a fixed (ascending) order: results do not depend on the thread count.
+//   3. down: for each (expert, block of output rows), the expert's rows are dotted with its
+//      tokens' intermediate rows, times the routed weight, into that (token, rank) pair's own
+//      output row: one contiguous run of weights per item, and no two items write one row;
+//   4. each token's k pair rows are summed in rank order. The result does not depend on the
+//      thread count or on which thread ran an item.
 //
 // Micro-kernels keep several weight rows and several tokens in flight: several accumulators
 // hide FMA latency, several row streams keep the hardware prefetchers busy, and a weight row
@@ -26,7 +27,6 @@
 #include <torch/extension.h>
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,7 +35,19 @@
 #include <memory>
 #include <vector>
 
+// The step's thread pool (dense_cpu.cpp): runs fn(context, i) for i in [0, n) on up to `threads`
+// threads, the caller included, which waits only for items other threads claimed.
+namespace moebench_cpu {
+void parallel_run(int64_t n, int threads, void (*fn)(void*, int64_t), void* context);
+}
+
 namespace {
+
+template <class F>
+void parallel_for(int64_t n, int threads, F&& f) {
+  moebench_cpu::parallel_run(
+      n, threads, [](void* c, int64_t i) { (*static_cast<std::remove_reference_t<F>*>(c))(i); }, &f);
+}
 
 // ---- loads: 8 weights as float32 -------------------------------------------------------
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -56,16 +68,18 @@ inline float hsum(__m256 v) {
 
 // out[r * T + t] = dot(w[r][0:K], x[t][0:K]) for R weight rows and T tokens.
 // R * T accumulators plus T activation registers must fit in the 16 ymm registers.
+// pf != 0: while streaming row r, prefetch (into L2) the row `pf` elements further on, i.e. the
+// row the next group will read. Rows are a few KB and read 8 at a time, too short for the
+// hardware prefetchers to ramp up on each; asked for one group ahead, memory is kept busy
+// (bundled-size layer, one token: 20 -> 30 GB/s, docs/cpu-decode.md).
 template <int R, int T, typename W>
-inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float* out) {
+inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float* out, int64_t pf = 0) {
   __m256 acc[R][T];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  int64_t k = 0;
-#pragma GCC unroll 2
-  for (; k + 8 <= K; k += 8) {
+  auto step = [&](int64_t k) {
     __m256 xv[T];
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x[t] + k);
@@ -75,7 +89,20 @@ inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float*
 #pragma GCC unroll 4
       for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
     }
+  };
+  int64_t k = 0;
+  if (pf != 0) {
+    // 16 elements = one 64-byte line of float32 weights (half of one for bfloat16: the other
+    // half is asked for by the next pass, a prefetch of a line already on its way costs nothing)
+    for (; k + 16 <= K; k += 16) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + pf + k), _MM_HINT_T1);
+      step(k);
+      step(k + 8);
+    }
   }
+#pragma GCC unroll 2
+  for (; k + 8 <= K; k += 8) step(k);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
       float s = hsum(acc[r][t]);
@@ -88,22 +115,23 @@ inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float*
 // epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token t.
 // One token: all 8 rows at once (8 accumulators, 8 row streams). Two or three tokens: two
 // passes of 4 rows, so each loaded weight vector feeds 2-3 FMAs; the rows stay in L1/L2
-// between passes, so memory still sees each row once.
+// between passes, so memory still sees each row once. pf: see dot_tile (only the first token
+// tile prefetches; later tiles find the rows in cache).
 template <typename W, typename Epi>
-inline void rows8_tokens(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi) {
+inline void rows8_tokens(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi, int64_t pf = 0) {
   float o[8 * 3];
   int64_t t = 0;
   for (; n - t >= 3; t += 3) {
-    dot_tile<4, 3>(w, x + t, K, o);
-    dot_tile<4, 3>(w + 4, x + t, K, o + 12);
+    dot_tile<4, 3>(w, x + t, K, o, t == 0 ? pf : 0);
+    dot_tile<4, 3>(w + 4, x + t, K, o + 12, t == 0 ? pf : 0);
     epi(t, 3, o);
   }
   if (n - t == 2) {
-    dot_tile<4, 2>(w, x + t, K, o);
-    dot_tile<4, 2>(w + 4, x + t, K, o + 8);
+    dot_tile<4, 2>(w, x + t, K, o, t == 0 ? pf : 0);
+    dot_tile<4, 2>(w + 4, x + t, K, o + 8, t == 0 ? pf : 0);
     epi(t, 2, o);
   } else if (n - t == 1) {
-    dot_tile<8, 1>(w, x + t, K, o);
+    dot_tile<8, 1>(w, x + t, K, o, t == 0 ? pf : 0);
     epi(t, 1, o);
   }
 }
@@ -125,14 +153,14 @@ inline void rows2_tokens(const W* const* w, const float* const* x, int64_t n, in
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// Rows per work item. Gate/up: 16 intermediate rows = 32 weight rows; down: 32 output rows.
-// Large enough that the OpenMP scheduling cost is negligible next to streaming the rows,
+// Rows per work item. Gate/up: 16 intermediate rows = 32 weight rows; down: 64 output rows of one expert.
+// Large enough that claiming an item costs nothing next to streaming the rows,
 // small enough that there are many items to balance over the threads.
 #ifndef MOE_GATE_UP_BLOCK
 #define MOE_GATE_UP_BLOCK 16
 #endif
 #ifndef MOE_DOWN_BLOCK
-#define MOE_DOWN_BLOCK 32
+#define MOE_DOWN_BLOCK 64
 #endif
 constexpr int64_t kGateUpBlock = MOE_GATE_UP_BLOCK;
 constexpr int64_t kDownBlock = MOE_DOWN_BLOCK;
@@ -182,99 +210,94 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   const int64_t nb_gu = (I + kGateUpBlock - 1) / kGateUpBlock;
   const int64_t nb_dn = (H + kDownBlock - 1) / kDownBlock;
 
-  // A small layer (a few hundred KB of weights) is done in microseconds by one thread; waking
-  // a team and two barriers would cost more, and much more when another process holds a core.
+  // A small layer (a few hundred KB of weights) is done in microseconds by one thread; handing
+  // work to another would cost more, and much more when another process holds a core.
   const double bytes = static_cast<double>(A) * 3.0 * H * I * sizeof(W) + 4.0 * P * (H + I);
   if (bytes < kMinParallelBytes) num_threads = 1;
 
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  {
-    // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < A * nb_gu; ++item) {
-      const int64_t e = active[item / nb_gu];
-      const int64_t j0 = (item % nb_gu) * kGateUpBlock, j1 = std::min(I, j0 + kGateUpBlock);
-      const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
-      const W* we = w13 + e * s13e;
-      const float* const* xs = xrow.data() + q0;
-      float* hb = hbuf.get() + q0 * I;
-      int64_t j = j0;
-      // Groups of 4 intermediate rows: gate rows j..j+3 and up rows I+j..I+j+3.
-      for (; j + 4 <= j1; j += 4) {
-        const W* rows[8];
-        for (int g = 0; g < 4; ++g) {
-          rows[g] = we + (j + g) * s13r;
-          rows[4 + g] = we + (I + j + g) * s13r;
-        }
-        rows8_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
-          for (int t = 0; t < tt; ++t)
-            for (int g = 0; g < 4; ++g)
-              hb[(t0 + t) * I + j + g] = silu(o[g * tt + t]) * o[(4 + g) * tt + t];
-        });
+  // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
+  parallel_for(A * nb_gu, num_threads, [&](int64_t item) {
+    const int64_t e = active[item / nb_gu];
+    const int64_t j0 = (item % nb_gu) * kGateUpBlock, j1 = std::min(I, j0 + kGateUpBlock);
+    const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
+    const W* we = w13 + e * s13e;
+    const float* const* xs = xrow.data() + q0;
+    float* hb = hbuf.get() + q0 * I;
+    int64_t j = j0;
+    // Groups of 4 intermediate rows: gate rows j..j+3 and up rows I+j..I+j+3.
+    for (; j + 4 <= j1; j += 4) {
+      const W* rows[8];
+      for (int g = 0; g < 4; ++g) {
+        rows[g] = we + (j + g) * s13r;
+        rows[4 + g] = we + (I + j + g) * s13r;
       }
-      for (; j < j1; ++j) {
-        const W* rows[2] = {we + j * s13r, we + (I + j) * s13r};
-        rows2_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
-          for (int t = 0; t < tt; ++t) hb[(t0 + t) * I + j] = silu(o[t]) * o[tt + t];
-        });
-      }
+      rows8_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
+        for (int t = 0; t < tt; ++t)
+          for (int g = 0; g < 4; ++g)
+            hb[(t0 + t) * I + j + g] = silu(o[g * tt + t]) * o[(4 + g) * tt + t];
+      }, 4 * s13r);
     }
-    // (implicit barrier: every intermediate row is ready)
+    for (; j < j1; ++j) {
+      const W* rows[2] = {we + j * s13r, we + (I + j) * s13r};
+      rows2_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
+        for (int t = 0; t < tt; ++t) hb[(t0 + t) * I + j] = silu(o[t]) * o[tt + t];
+      });
+    }
+  });
 
-    // 3. down projection, routed weight and top-k sum, one item per block of output rows.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < nb_dn; ++b) {
-      const int64_t r0 = b * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
-      float* ob = obuf.get();
-      for (int64_t a = 0; a < A; ++a) {
-        const int64_t e = active[a];
-        const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
-        const W* we = w2 + e * s2e;
-        const float* const* hs = hrow.data() + q0;
-        const int64_t* pr = pair.data() + q0;
-        const float* wq = wgt.data() + q0;
-        int64_t r = r0;
-        for (; r + 8 <= r1; r += 8) {
-          const W* rows[8];
-          for (int g = 0; g < 8; ++g) rows[g] = we + (r + g) * s2r;
-          rows8_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
-            for (int t = 0; t < tt; ++t) {
-              float* dst = ob + pr[t0 + t] * H + r;
-              const float sw = wq[t0 + t];
-              for (int g = 0; g < 8; ++g) dst[g] = sw * o[g * tt + t];
-            }
-          });
+  // 3. down projection times the routed weight, one item per (active expert, block of output
+  // rows): each item streams one contiguous run of the expert's rows and writes its (token, rank)
+  // pairs' output rows, which no other item writes.
+  float* ob = obuf.get();
+  parallel_for(A * nb_dn, num_threads, [&](int64_t item) {
+    const int64_t e = active[item / nb_dn];
+    const int64_t r0 = (item % nb_dn) * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
+    const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
+    const W* we = w2 + e * s2e;
+    const float* const* hs = hrow.data() + q0;
+    const int64_t* pr = pair.data() + q0;
+    const float* wq = wgt.data() + q0;
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) {
+      const W* rows[8];
+      for (int g = 0; g < 8; ++g) rows[g] = we + (r + g) * s2r;
+      rows8_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
+        for (int t = 0; t < tt; ++t) {
+          float* dst = ob + pr[t0 + t] * H + r;
+          const float sw = wq[t0 + t];
+          for (int g = 0; g < 8; ++g) dst[g] = sw * o[g * tt + t];
         }
-        for (; r + 2 <= r1; r += 2) {
-          const W* rows[2] = {we + r * s2r, we + (r + 1) * s2r};
-          rows2_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
-            for (int t = 0; t < tt; ++t) {
-              float* dst = ob + pr[t0 + t] * H + r;
-              const float sw = wq[t0 + t];
-              dst[0] = sw * o[t];
-              dst[1] = sw * o[tt + t];
-            }
-          });
+      }, 8 * s2r);
+    }
+    for (; r + 2 <= r1; r += 2) {
+      const W* rows[2] = {we + r * s2r, we + (r + 1) * s2r};
+      rows2_tokens(rows, hs, n, I, [&](int64_t t0, int tt, const float* o) {
+        for (int t = 0; t < tt; ++t) {
+          float* dst = ob + pr[t0 + t] * H + r;
+          const float sw = wq[t0 + t];
+          dst[0] = sw * o[t];
+          dst[1] = sw * o[tt + t];
         }
-        for (; r < r1; ++r) {
-          const W* row = we + r * s2r;
-          for (int64_t t = 0; t < n; ++t) {
-            float o;
-            dot_tile<1, 1>(&row, hs + t, I, &o);
-            ob[pr[t] * H + r] = wq[t] * o;
-          }
-        }
-      }
-      // top-k sum of this block's rows, each token's experts in rank order
-      for (int64_t t = 0; t < N; ++t) {
-        const float* src = ob + t * K_top * H;
-        float* dst = out + t * H;
-        for (int64_t r = r0; r < r1; ++r) dst[r] = src[r];
-        for (int64_t j = 1; j < K_top; ++j)
-          for (int64_t r = r0; r < r1; ++r) dst[r] += src[j * H + r];
+      });
+    }
+    for (; r < r1; ++r) {
+      const W* row = we + r * s2r;
+      for (int64_t t = 0; t < n; ++t) {
+        float o;
+        dot_tile<1, 1>(&row, hs + t, I, &o);
+        ob[pr[t] * H + r] = wq[t] * o;
       }
     }
-  }
+  });
+
+  // 4. top-k sum, each token's experts in rank order (never in slot order: see obuf above)
+  parallel_for(N, num_threads, [&](int64_t t) {
+    const float* src = ob + t * K_top * H;
+    float* dst = out + t * H;
+    for (int64_t r = 0; r < H; ++r) dst[r] = src[r];
+    for (int64_t j = 1; j < K_top; ++j)
+      for (int64_t r = 0; r < H; ++r) dst[r] += src[j * H + r];
+  });
 }
 
 // x [N, H] float32 (last dim contiguous), topk_weights [N, k] float32, topk_ids [N, k] int64,
@@ -321,8 +344,11 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 
 // attention_cpu.cpp, built into the same extension: decode attention and the small decode-step ops
 void register_attention(pybind11::module& m);
+// dense_cpu.cpp: the step's thread pool and dense projections for few tokens
+void register_dense(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights)");
   register_attention(m);
+  register_dense(m);
 }

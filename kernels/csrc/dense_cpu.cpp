@@ -1,0 +1,359 @@
+// The decode step's thread pool, and dense projections (x @ w.T) for few tokens, on the CPU.
+//
+// Thread pool. A decode step is a chain of short parallel sections (per layer: the qkv and output
+// projections, attention, the router, two MoE phases), each a few hundred microseconds to a few
+// milliseconds. OpenMP runs each as a team: every thread of the team must arrive at the closing
+// barrier, so a team thread that the kernel has not scheduled (the other core busy with another
+// job) stalls the section for a scheduler time slice, milliseconds, even when the calling thread
+// could have done all the work itself. Here a section is a list of items claimed one at a time
+// from a shared counter; the calling thread claims items too and waits only for items another
+// thread has claimed and not finished. A worker that wakes late finds nothing left and goes back
+// to waiting: it never holds the section up.
+//
+// Waiting workers spin for a short while (MOEBENCH_POOL_SPIN_US, default 200 us: the gap between
+// two sections of a step is tens of microseconds, and waking a sleeping thread costs ~50 us on
+// these VMs), then sleep on a futex. They do not spin at all while the machine has more runnable
+// threads than cores (/proc/loadavg), or once a yield comes back late (another thread wanted this
+// core): a spinning thread would take the core another job needs.
+//
+// Dense projections. At decode time x has 1-16 rows and w a few MB: a weight row is read once and
+// meets every token while it is in L1. Items are blocks of output rows; a block's rows are dotted
+// with all tokens 4 rows x 3 tokens at a time (12 accumulators, each loaded weight vector feeds 3
+// FMAs), or 8 rows x 1 token for a single token (8 row streams in flight). torch's matmul on these
+// shapes (MKL) reaches a fraction of the read bandwidth and uses the second thread poorly.
+
+#include <torch/extension.h>
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace moebench_cpu {
+
+using ItemFn = void (*)(void* context, int64_t item);
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kLateYield = std::chrono::microseconds(50);
+
+inline void cpu_relax() { _mm_pause(); }
+
+// More threads runnable than online cores right now (the 4th field of /proc/loadavg).
+bool machine_busy() {
+  static const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char text[128];
+  const ssize_t n = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (n <= 0) return false;
+  text[n] = '\0';
+  const char* field = text;
+  for (int i = 0; i < 3 && field != nullptr; ++i) {
+    field = std::strchr(field, ' ');
+    if (field != nullptr) ++field;
+  }
+  // the count includes the thread reading it, so "busy" is strictly more runnable threads than cores
+  return field != nullptr && std::strtol(field, nullptr, 10) > cores;
+}
+
+// Spins until ready() or `spin` has passed; false if it gave up (the caller then sleeps).
+template <class Ready>
+bool spin_until(Ready ready, std::chrono::microseconds spin) {
+  if (ready()) return true;
+  if (spin.count() <= 0 || machine_busy()) return false;
+  const auto deadline = Clock::now() + spin;
+  int rounds = 0;
+  for (auto now = Clock::now(); now < deadline;) {
+    for (int i = 0; i < 32; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    std::this_thread::yield();
+    const auto after = Clock::now();
+    if (after - now > kLateYield) return ready();  // someone else ran on this core meanwhile
+    if (++rounds % 64 == 0 && machine_busy()) return ready();
+    now = after;
+  }
+  return ready();
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+std::chrono::microseconds spin_from_environment() {
+  const char* text = std::getenv("MOEBENCH_POOL_SPIN_US");
+  return std::chrono::microseconds(text != nullptr ? std::max(0L, std::strtol(text, nullptr, 10)) : 200);
+}
+
+class Pool {
+ public:
+  static Pool& instance() {
+    static Pool* pool = new Pool();  // never destroyed: workers may still be parked at exit
+    return *pool;
+  }
+
+  // Runs fn(context, i) for i in [0, n) on the calling thread and up to threads - 1 workers.
+  void run(int64_t n, int threads, ItemFn fn, void* context) {
+    std::lock_guard<std::mutex> one_section_at_a_time(section_);
+    ensure_workers(threads - 1);
+    fn_ = fn;
+    context_ = context;
+    items_ = n;
+    participants_ = threads - 1;
+    done_.store(0, std::memory_order_relaxed);
+    const uint32_t generation = generation_.load(std::memory_order_relaxed) + 1;
+    claim_.store(static_cast<uint64_t>(generation) << 32, std::memory_order_release);
+    generation_.store(generation, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&generation_);
+    work(generation);
+    // wait for items claimed by workers and not finished yet
+    if (done_.load(std::memory_order_acquire) < n) {
+      spin_until([&] { return done_.load(std::memory_order_acquire) >= n; }, std::chrono::microseconds(1000000));
+      while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();
+    }
+    sections_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  int64_t worker_items() const { return worker_items_.load(std::memory_order_relaxed); }
+  int64_t sections() const { return sections_.load(std::memory_order_relaxed); }
+  int workers() const { return static_cast<int>(workers_.size()); }
+
+ private:
+  Pool() : spin_(spin_from_environment()) {}
+
+  void ensure_workers(int wanted) {
+    while (static_cast<int>(workers_.size()) < wanted) {
+      const int index = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, index] { worker_loop(index); });
+      workers_.back().detach();
+    }
+  }
+
+  // Claims and runs items of section `generation` until none is left; returns how many it ran.
+  int64_t work(uint32_t generation) {
+    int64_t ran = 0;
+    for (;;) {
+      uint64_t claim = claim_.load(std::memory_order_acquire);
+      if (static_cast<uint32_t>(claim >> 32) != generation) return ran;
+      const int64_t item = static_cast<int64_t>(claim & 0xffffffffu);
+      // items_ may already belong to a later section; the exchange below then fails (the
+      // generation in claim_ moved on), so reading it early is harmless
+      if (item >= items_) return ran;
+      if (!claim_.compare_exchange_weak(claim, claim + 1, std::memory_order_acq_rel)) continue;
+      fn_(context_, item);
+      ++ran;
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void worker_loop(int index) {
+    uint32_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_)) {
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        while (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(&generation_, seen);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      if (index < participants_) worker_items_.fetch_add(work(seen), std::memory_order_relaxed);
+    }
+  }
+
+  std::mutex section_;
+  std::vector<std::thread> workers_;
+  const std::chrono::microseconds spin_;
+  alignas(64) std::atomic<uint64_t> claim_{0};  // (generation << 32) | next unclaimed item
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<uint32_t> generation_{0};  // the futex word workers sleep on
+  std::atomic<int> sleepers_{0};
+  ItemFn fn_ = nullptr;
+  void* context_ = nullptr;
+  int64_t items_ = 0;
+  int participants_ = 0;
+  std::atomic<int64_t> worker_items_{0};
+  std::atomic<int64_t> sections_{0};
+};
+
+}  // namespace
+
+// The entry point the other kernels of the extension call (declared in each of them).
+void parallel_run(int64_t n, int threads, ItemFn fn, void* context) {
+  if (n <= 0) return;
+  if (threads <= 1 || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(context, i);
+    return;
+  }
+  Pool::instance().run(n, threads, fn, context);
+}
+
+template <class F>
+void parallel_for(int64_t n, int threads, F&& f) {
+  parallel_run(n, threads, [](void* c, int64_t i) { (*static_cast<std::remove_reference_t<F>*>(c))(i); }, &f);
+}
+
+}  // namespace moebench_cpu
+
+namespace {
+
+using moebench_cpu::parallel_for;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// o[r * T + t] = dot(w row r, x row t) over K, R rows and T tokens (R * T + T + 1 ymm registers).
+template <int R, int T, typename W>
+inline void tile(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* o) {
+  __m256 acc[R][T];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = load8(w + r * ldw + k);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float s = hsum(acc[r][t]);
+      for (int64_t kk = k; kk < K; ++kk) s += load1(w + r * ldw + kk) * x[t * ldx + kk];
+      o[r * T + t] = s;
+    }
+}
+
+constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
+
+// out[t, r] = dot(x[t], w[r]) (+ bias[r]) for rows [r0, r1) and all N tokens.
+template <typename W>
+void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw, const float* bias, int64_t K,
+                float* out, int64_t ldo, int64_t r0, int64_t r1) {
+  float o[8 * 3];
+  auto store = [&](int64_t r, int rows, int64_t t0, int tokens) {
+    for (int g = 0; g < rows; ++g)
+      for (int t = 0; t < tokens; ++t)
+        out[(t0 + t) * ldo + r + g] = o[g * tokens + t] + (bias != nullptr ? bias[r + g] : 0.0f);
+  };
+  int64_t r = r0;
+  if (N == 1) {
+    for (; r + 8 <= r1; r += 8) {
+      tile<8, 1>(w + r * ldw, ldw, x, ldx, K, o);
+      store(r, 8, 0, 1);
+    }
+  }
+  for (; r + 4 <= r1; r += 4) {
+    int64_t t = 0;
+    for (; t + 3 <= N; t += 3) {
+      tile<4, 3>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
+      store(r, 4, t, 3);
+    }
+    if (N - t == 2) {
+      tile<4, 2>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
+      store(r, 4, t, 2);
+    } else if (N - t == 1) {
+      tile<4, 1>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
+      store(r, 4, t, 1);
+    }
+  }
+  for (; r < r1; ++r)
+    for (int64_t t = 0; t < N; ++t) {
+      tile<1, 1>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
+      store(r, 1, t, 1);
+    }
+}
+
+// x [N, K] float32 (rows contiguous), w [M, K] float32 or bfloat16 (rows contiguous), bias [M] or
+// None -> [N, M] float32. Items are blocks of 64 output rows, run on the step's thread pool.
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "dense_linear: x must be float32 [N, K] with contiguous rows");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 &&
+                  (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+              "dense_linear: w must be float32 or bfloat16 [M, K] with contiguous rows");
+  const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "dense_linear: x has ", K, " columns, w ", w.size(1));
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == M, "dense_linear: bias has ", b.numel(), " values for ", M, " rows");
+  }
+  auto out = torch::empty({N, M}, x.options());
+  if (N == 0 || M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldw = w.stride(0);
+  const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
+  // one item's worth of weights is microseconds of work: below a few items a second thread
+  // costs more to hand the work to than it saves
+  const int threads = items >= 4 ? std::max(1, at::get_num_threads()) : 1;
+  pybind11::gil_scoped_release no_gil;
+  if (w.scalar_type() == torch::kFloat32) {
+    const float* wp = w.data_ptr<float>();
+    parallel_for(items, threads, [&](int64_t i) {
+      dense_rows(xp, ldx, N, wp, ldw, bp, K, op, M, i * kRowsPerItem, std::min(M, (i + 1) * kRowsPerItem));
+    });
+  } else {
+    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+    parallel_for(items, threads, [&](int64_t i) {
+      dense_rows(xp, ldx, N, wp, ldw, bp, K, op, M, i * kRowsPerItem, std::min(M, (i + 1) * kRowsPerItem));
+    });
+  }
+  return out;
+}
+
+// How much of the last sections' work the pool's workers did (activation evidence for 2+ threads).
+pybind11::dict pool_stats() {
+  pybind11::dict d;
+  auto& pool = moebench_cpu::Pool::instance();
+  d["workers"] = pool.workers();
+  d["sections"] = pool.sections();
+  d["worker_items"] = pool.worker_items();
+  return d;
+}
+
+}  // namespace
+
+void register_dense(pybind11::module& m) {
+  m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers");
+}

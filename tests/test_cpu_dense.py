@@ -1,0 +1,124 @@
+"""The decode step's dense projections (kernels/cpu_dense.py, csrc/dense_cpu.cpp) and its thread
+pool: `linear` against F.linear on odd shapes (every row and token remainder path), bfloat16
+weights widened exactly, bias, strided inputs, results independent of the thread count, the pool's
+workers really taking items, and the fallbacks (many rows, other dtypes, the switch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moebench.kernels import cpu_dense
+from moebench.kernels.cpu_moe import load_extension
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = load_extension()
+    if module is None:
+        pytest.skip("the C++ extension is not available here")
+    return module
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _close(got, want):
+    scale = want.abs().max().item() or 1.0
+    assert (got - want).abs().max().item() <= 2e-5 * scale * max(1.0, want.shape[-1] ** 0.5 / 8)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 16, 17])
+@pytest.mark.parametrize("m,k", [(1, 7), (3, 9), (8, 64), (13, 100), (67, 129), (300, 1024)])
+def test_dense_linear_matches_f_linear(ext, n, m, k):
+    g = torch.Generator().manual_seed(n * 1000 + m + k)
+    x, w = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    _close(ext.dense_linear(x, w), F.linear(x, w))
+
+
+def test_dense_linear_bias_and_strided_rows(ext):
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(5, 300, generator=g)
+    x = big[:, 10:138]  # rows 300 apart, last dimension contiguous
+    w = torch.randn(70, 200, generator=g)[:, :128]
+    bias = torch.randn(70, generator=g)
+    _close(ext.dense_linear(x, w, bias), F.linear(x, w, bias))
+
+
+def test_bfloat16_weights_widen_exactly(ext):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 257, generator=g)
+    w = torch.randn(131, 257, generator=g).to(torch.bfloat16)
+    assert torch.equal(ext.dense_linear(x, w), ext.dense_linear(x, w.float()))
+
+
+def test_result_does_not_depend_on_threads(ext, threads):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(16, 1024, generator=g), torch.randn(4099, 1024, generator=g)
+    torch.set_num_threads(1)
+    one = ext.dense_linear(x, w)
+    torch.set_num_threads(2)
+    two = ext.dense_linear(x, w)
+    assert torch.equal(one, two)
+
+
+def test_pool_workers_take_items(ext, threads):
+    """With two threads the pool's worker runs items of a large projection (not only the caller).
+    A worker that wakes late finds nothing left, so this needs many sections to be sure of one."""
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(16, 1024, generator=g), torch.randn(8192, 1024, generator=g)
+    before = cpu_dense.pool_stats()
+    for _ in range(40):
+        ext.dense_linear(x, w)
+    after = cpu_dense.pool_stats()
+    assert after["workers"] >= 1
+    assert after["sections"] >= before["sections"] + 40
+    assert after["worker_items"] > before["worker_items"]
+
+
+def test_fused_moe_on_the_pool_matches_one_thread(ext, threads):
+    """The MoE kernel's three phases run on the pool: the result is bit-identical for 1 and 2 threads
+    on a layer large enough to be split (the small-layer shortcut runs one thread)."""
+    g = torch.Generator().manual_seed(5)
+    e, h, i, n, k = 32, 256, 128, 16, 4
+    x = torch.randn(n, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) / 16, torch.randn(e, h, i, generator=g) / 16
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    wts = torch.rand(n, k, generator=g)
+    torch.set_num_threads(1)
+    one = ext.fused_moe(x, wts, ids, w13, w2)
+    torch.set_num_threads(2)
+    two = ext.fused_moe(x, wts, ids, w13, w2)
+    assert torch.equal(one, two)
+    from moebench.kernels.reference import moe_reference
+
+    _close(two, moe_reference(x, wts, ids, w13, w2))
+
+
+def test_linear_uses_the_kernel_for_decode_rows_only(ext, monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(40, 24, generator=g)
+    before = cpu_dense.dense_backends()
+    decode = cpu_dense.linear(torch.randn(3, 24, generator=g), w)
+    prefill = cpu_dense.linear(torch.randn(cpu_dense.DENSE_MAX_ROWS + 1, 24, generator=g), w)
+    double = cpu_dense.linear(torch.randn(3, 24, generator=g, dtype=torch.float64), w.double())
+    after = cpu_dense.dense_backends()
+    assert after.get(cpu_dense.BACKEND_CPP, 0) - before.get(cpu_dense.BACKEND_CPP, 0) == 1
+    assert after.get(cpu_dense.BACKEND_TORCH, 0) - before.get(cpu_dense.BACKEND_TORCH, 0) == 2
+    assert decode.shape == (3, 40) and prefill.shape == (33, 40) and double.dtype == torch.float64
+    monkeypatch.setenv(cpu_dense.DISABLE_ENV, "torch")
+    x = torch.randn(3, 24, generator=g)
+    assert torch.equal(cpu_dense.linear(x, w), F.linear(x, w))
+
+
+def test_bad_shapes_are_refused(ext):
+    with pytest.raises(RuntimeError, match="dense_linear"):
+        ext.dense_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="dense_linear"):
+        ext.dense_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
