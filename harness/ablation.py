@@ -17,6 +17,8 @@ class ConfigPoint:
     scheduler: str
     prefetch: str
     quantize: str = "none"  # "int4" etc.: the approximate negative control, never an exact optimization
+    # a reference config's own expert budget (the all-resident point of an offloaded run), else the run's
+    expert_budget: str | None = None
 
     @property
     def approximate(self) -> bool:
@@ -26,7 +28,19 @@ class ConfigPoint:
         d = {"name": self.name, "kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}
         if self.approximate:
             d.update(quantize=self.quantize, approximate=True)
+        if self.expert_budget is not None:
+            d.update(expert_budget=self.expert_budget)
         return d
+
+
+RESIDENT = "resident"
+
+
+def resident_reference() -> ConfigPoint:
+    """The baseline's switches with every expert resident (budget 1.0): beside an offloaded run's
+    baseline (prefetch=off) and `prefetch` (lookahead) it gives the memory offloading saves, the speed
+    it costs, and the share of that cost lookahead wins back."""
+    return ConfigPoint(RESIDENT, OFF["kernel"], OFF["scheduler"], OFF["prefetch"], expert_budget="1.0")
 
 
 def negative_control(scheme: str) -> ConfigPoint:

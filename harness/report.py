@@ -256,6 +256,46 @@ def _engine_tables(summary: dict) -> list[Table]:
                    "MB read / decode step", "roofline tok/s", "achieved"], store)]
 
 
+def _memory_blocks(summary: dict) -> list:
+    """Expert memory (every expert byte the store held) and peak RSS per config beside decode tok/s;
+    with an all-resident reference in the run, the offload trade-off and the penalty lookahead hides."""
+    off = summary.get("offload") or {}
+    resident = (off.get("resident") or {}).get("expert_memory_bytes")
+    rows = []
+    for c in summary["configs"]:
+        m = c.get("memory") or {}
+        if m.get("expert_memory_bytes") is None:
+            continue
+        tier = m.get("tier") or ""
+        rows.append([c["name"], str(m.get("expert_budget")), tier + (f" ({m['read_mode']})" if m.get("read_mode") else ""),
+                     _f(m["expert_memory_bytes"] / 1e6, "{:.2f}"),
+                     _f(None if not resident else m["expert_memory_bytes"] / resident, "{:.0%}"),
+                     _f(None if m.get("process_rss_peak_bytes") is None else m["process_rss_peak_bytes"] / 1e6,
+                        "{:.0f}"),
+                     _f(c["decode_tokens_per_s"]["median"]) + _ci(c["decode_tokens_per_s"].get("ci95"))])
+    if not rows:
+        return []
+    blocks = [Heading("Expert memory and offloading"),
+              Table(["config", "expert budget", "offload tier", "expert MB", "of all-resident", "peak RSS MB",
+                     "decode tok/s [95% CI]"], rows),
+              Para("Expert MB counts every expert byte the store held: its pool (the budget, read buffers "
+                   "included) or all experts when resident, plus any copy in host memory (the host tier's); "
+                   "the disk tier keeps none. Peak RSS is the whole process's high-water mark during a trial.")]
+    if off and all((off[k] or {}).get("expert_memory_bytes") for k in ("resident", "off", "lookahead")):
+        r, o, la = off["resident"], off["off"], off["lookahead"]
+        hidden = off.get("penalty_hidden")
+        trials = ", ".join("n/a" if x is None else f"{x:.0%}" for x in off.get("penalty_hidden_trials") or [])
+        blocks.append(Para(
+            f"Offloading to the {o.get('tier')} tier keeps {_f(o['expert_memory_vs_resident'], '{:.0%}')} of the "
+            f"all-resident expert memory ({_f(o['expert_memory_bytes'] / 1e6)} of {_f(r['expert_memory_bytes'] / 1e6)} "
+            f"MB) and decodes at {_f(o['decode_tokens_per_s'], '{:.1f}')} tok/s without prefetch against "
+            f"{_f(r['decode_tokens_per_s'], '{:.1f}')} resident; lookahead decodes at "
+            f"{_f(la['decode_tokens_per_s'], '{:.1f}')} tok/s in {_f(la['expert_memory_vs_resident'], '{:.0%}')} of "
+            f"the memory, hiding {_f(hidden, '{:.0%}')} of the offload penalty (median over trials of "
+            f"(T_off - T_lookahead) / (T_off - T_resident); per trial: {trials or 'n/a'})."))
+    return blocks
+
+
 def _evidence_value(v) -> str:
     if v is None:
         return "n/a"
@@ -433,6 +473,7 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
     if len(summary["configs"]) > 1:
         doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary))
     doc.add(Heading("Batching, expert store and roofline"), *_engine_tables(summary))
+    doc.add(*_memory_blocks(summary))
     doc.add(*_activation_blocks(summary))
     if images:
         doc.add(Heading("Plots"), *[Image(caption, path) for caption, path in images])

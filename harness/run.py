@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from moebench.ablation import OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, point
+from moebench.ablation import OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, point, resident_reference
 from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
@@ -35,7 +35,19 @@ def bundled_model_path() -> Path:
 
 
 def _runtime_for(base, cfg: ConfigPoint):
-    return replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
+    rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
+    if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget
+        rt = replace(rt, expert_budget=_parse_budget(cfg.expert_budget))
+    return rt
+
+
+def _budget_text(args: dict) -> str:
+    """The run's expert budget: as given, else 0.5 for the bundled default's ablation (offloading is
+    part of what it measures), else 1.0."""
+    budget = args["expert_budget"]
+    if budget is None:
+        budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
+    return budget
 
 
 def _model_summary(ckpt) -> dict:
@@ -132,7 +144,6 @@ def run_command(
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
     from moebench.engine import RuntimeConfig
-    from moebench.engine.expert_store import resolve_tier
 
     if resume is not None:
         manifest = _read_manifest(resume)
@@ -165,9 +176,9 @@ def run_command(
             threads = 1
         if threads is not None and threads < 0:
             raise MoebenchError(f"--threads must be >= 0, got {threads}")
-        budget = args["expert_budget"]
-        if budget is None:
-            budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
+        budget = _budget_text(args)
+        from moebench.engine.expert_store import resolve_tier  # (torch) only once the switches are valid
+
         base_runtime = RuntimeConfig(
             device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
             admission=args["admission"], expert_budget=_parse_budget(budget),
@@ -375,6 +386,9 @@ def _parse_budget(text: str) -> float | str:
 
 def _configs(args: dict) -> list[ConfigPoint]:
     configs = _exact_configs(args)
+    if args["ablate"] and "prefetch" in {c.name for c in configs} and _parse_budget(_budget_text(args)) not in (1, 1.0):
+        # offloaded: the all-resident point too, for the memory / speed trade-off (docs/prefetch.md)
+        configs.append(resident_reference())
     if args.get("negative_control"):
         from moebench.engine.quantize import SCHEMES
 

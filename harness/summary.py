@@ -340,6 +340,61 @@ def _expert_store(steps: pd.DataFrame | None) -> dict:
     }
 
 
+def _memory(run: RunData, name: str) -> dict:
+    """Expert memory (every expert byte the store held: pool or resident experts, any host copy,
+    read buffers) and the process's peak RSS during each trial, from the store's evidence in
+    trials.jsonl; the largest over the config's trials."""
+    keys = ("expert_memory_bytes", "expert_pool_bytes", "host_copy_bytes", "read_buffer_bytes",
+            "process_rss_peak_bytes")
+    out: dict[str, Any] = dict.fromkeys(keys)
+    out.update(tier=None, read_mode=None, expert_budget=None)
+    if run.trials is None or "evidence" not in run.trials:
+        return out
+    for ev in run.trials[run.trials["config"] == name]["evidence"]:
+        pf = (ev or {}).get("prefetch") if isinstance(ev, dict) else None
+        if not isinstance(pf, dict):
+            continue
+        for k in keys:
+            if isinstance(pf.get(k), (int, float)):
+                out[k] = max(out[k] or 0, pf[k])
+        out["tier"] = pf.get("tier", "none (all resident)" if pf.get("store") == "resident" else None)
+        out["read_mode"] = pf.get("read_mode")
+        out["expert_budget"] = pf.get("expert_budget")
+    return out
+
+
+def _offload_tradeoff(configs: list[dict], rates: dict, base: str) -> dict | None:
+    """All-resident vs offloaded without prefetch (the baseline) vs offloaded with lookahead (the
+    `prefetch` config): expert memory, decode tok/s, and the share of the offload penalty lookahead
+    hides, (T_off - T_lookahead) / (T_off - T_resident) with T = 1 / decode tok/s, per trial (the
+    three ran in the same trial) and its median."""
+    from moebench.ablation import RESIDENT
+
+    by_name = {c["name"]: c for c in configs}
+    if RESIDENT not in by_name or "prefetch" not in by_name or base not in by_name:
+        return None
+    res, off, la = (rates[n] for n in (RESIDENT, base, "prefetch"))
+    shares = []
+    for t in sorted(set(res) & set(off) & set(la)):
+        t_res, t_off, t_la = 1 / res[t], 1 / off[t], 1 / la[t]
+        shares.append((t_off - t_la) / (t_off - t_res) if t_off > t_res else None)
+    defined = [x for x in shares if x is not None]
+    resident_bytes = by_name[RESIDENT]["memory"]["expert_memory_bytes"]
+
+    def point(name):
+        c = by_name[name]
+        mem = c["memory"]["expert_memory_bytes"]
+        return {"config": name, "expert_memory_bytes": mem,
+                "expert_memory_vs_resident": _ratio(mem, resident_bytes),
+                "process_rss_peak_bytes": c["memory"]["process_rss_peak_bytes"],
+                "decode_tokens_per_s": c["decode_tokens_per_s"]["median"],
+                "tier": c["memory"]["tier"], "read_mode": c["memory"]["read_mode"]}
+
+    return {"resident": point(RESIDENT), "off": point(base), "lookahead": point("prefetch"),
+            "penalty_hidden": float(np.median(defined)) if defined else None,
+            "penalty_hidden_trials": shares}
+
+
 def _roofline(steps: pd.DataFrame | None, bandwidth_gb_s: float | None,
               achieved: float | None) -> dict:
     dec = _decode_steps(steps)
@@ -510,6 +565,7 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
             "activation": _activation(run, name),
             "batching": _batching(steps),
             "expert_store": _expert_store(steps),
+            "memory": _memory(run, name),
             "roofline": _roofline(steps, bandwidth, decode["median"]),
             "expert_load": t0.get("expert_load") if t0 and isinstance(t0.get("expert_load"), list) else None,
         }
@@ -530,6 +586,7 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
         "machine": m.get("machine"),
         "git_commit": m.get("git_commit"),
         "configs": configs,
+        "offload": _offload_tradeoff(configs, rates["decode"], base),
         # how every throughput and speedup interval above was computed (the report prints it)
         "intervals": {"method": "Student t on the logs of per-trial values (speedups: per-trial paired ratios)",
                       "trials": max((len(c["decode_tokens_per_s"]["trials"]) for c in configs), default=0),

@@ -31,7 +31,8 @@ def test_a_small_ablation_checks_every_switch_and_rotates_the_order(tmp_path):
     code, run_dir, result = run(tmp_path, "--ablate", "--limit", 4, "--repeats", 2)
     assert code == 0, result.output
     rows = trials(run_dir)
-    names = ["baseline", "kernel", "scheduler", "prefetch", "kernel+scheduler", "all"]
+    # the bundled default's ablation offloads (budget 0.5): the all-resident reference runs beside it
+    names = ["baseline", "kernel", "scheduler", "prefetch", "kernel+scheduler", "all", "resident"]
     order = {t: [r["config"] for r in sorted((r for r in rows if r["trial"] == t), key=lambda r: r["position"])]
              for t in (0, 1)}
     assert order == {0: names, 1: names[1:] + names[:1]}  # trial 1 starts one place later
@@ -40,7 +41,7 @@ def test_a_small_ablation_checks_every_switch_and_rotates_the_order(tmp_path):
     status = {c["name"]: c["activation"]["status"] for c in summary["configs"]}
     # 4 requests, batch 16: continuous batching had nothing to admit mid-flight
     assert status == {"baseline": "ok", "kernel": "ok", "scheduler": "not exercised", "prefetch": "ok",
-                      "kernel+scheduler": "not exercised", "all": "not exercised"}
+                      "kernel+scheduler": "not exercised", "all": "not exercised", "resident": "ok"}
     sched = next(c for c in summary["configs"] if c["name"] == "scheduler")["activation"]
     assert "4 requests fit one batch of 16" in sched["not_exercised"][0]
     # the kernel's evidence names the implementation that computed every call
