@@ -110,10 +110,14 @@ class _TensorIndex:
     def __contains__(self, name: str) -> bool:
         return name in self.name_to_file
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def file_of(self, name: str):
         f = self.name_to_file.get(name)
         if f is None:
             raise MoebenchError(f"{self.directory}: missing tensor '{name}'")
+        return f
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        f = self.file_of(name)
         handle = self._open(f)
         try:
             actual = tuple(handle.get_slice(name).get_shape())
@@ -210,7 +214,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = 
                 layer.w2 = memory.empty((E, H, I), e_dtype, e_device) if load_experts else None
                 for e in range(E):
                     gate, up, down = _expert_names(cfg, i, e)
-                    expert_sources[(i, e)] = [(index.name_to_file[n], n) for n in (gate, up, down)]
+                    expert_sources[(i, e)] = [(index.file_of(n), n) for n in (gate, up, down)]
                     if load_experts:
                         layer.w13[e, :I] = expert(gate, I, H)
                         layer.w13[e, I:] = expert(up, I, H)
