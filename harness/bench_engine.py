@@ -1,14 +1,37 @@
-"""`moebench bench-engine`: the engine against `transformers.generate()` on the same checkpoint,
-prompts, batch and greedy settings, timed side by side (interleaved) in one process.
+"""`moebench bench-engine`: the bundled runtime against another engine on the same checkpoint,
+prompts, batch and greedy settings, timed side by side (interleaved rounds) in one command.
 
-Decode tokens/s for both = batch * (new_tokens - 1) / (time(new_tokens) - time(1)): the same
-subtraction of the prefill for each, so neither side is measured by a different clock.
+`--vs transformers` (default) times `transformers.generate()` in this process; `--vs llama.cpp`
+exports the checkpoint to an F32 GGUF (`moebench export gguf`) and times llama.cpp's own
+`llama-server` (built by `moebench engines build-llamacpp`), started once per thread count with
+its weights read into memory (`--load-mode none`, i.e. no mmap) in huge pages (glibc's malloc
+asked for transparent huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1; the server's
+`AnonHugePages` is checked and printed) and an F32 KV cache, as the runtime keeps its own.
+
+Decode tokens/s for every engine = batch * (new_tokens - 1) / (time(new_tokens) - time(1)): the
+same subtraction of the prefill (and of the HTTP round trip) for each, so no engine is measured by
+a different clock. Each round runs every engine once per (threads, batch), alternating which goes
+first; the table shows medians over rounds and the median of the per-round ratios.
+
+Beside the rates: the bytes a decode step must read (the runtime's own step records: its routed
+experts' weights, every other weight, the KV cache), the read bandwidth measured in the same run
+at the same thread count (a `sum` over a 256 MB buffer in huge pages, best of three, once per
+round) and the memory-bandwidth roofline, batch * bandwidth / bytes per step, with each engine's
+fraction of it. Greedy tokens of every engine are compared with transformers' for the same
+prompts (transformers runs once, batched, before any timing, and is then freed).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -16,86 +39,375 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moebench.errors import MoebenchError
 
 DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
                      intermediate_size=2048, vocab_size=32000)
+VS_CHOICES = ("transformers", "llama.cpp")
+MANIFEST_SCHEMA = "moebench.bench-engine/1"
 
 
-def _time_engine(engine, prompts, new_tokens: int) -> float:
-    from moebench.engine import Request
-
-    engine.runtime = engine.runtime.__class__(**{**engine.runtime.__dict__, "max_new_tokens": new_tokens})
-    reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
-    start = time.perf_counter()
-    engine.generate(reqs, prompt_ids=prompts)
-    return time.perf_counter() - start
+# ------------------------------------------------------------------------------ engines
 
 
-def _time_hf(model, prompts, new_tokens: int) -> float:
-    import torch
+class BundledSide:
+    """The bundled runtime in this process."""
 
-    ids = torch.tensor(prompts)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start
+    name = "moebench"
+
+    def __init__(self, ckpt, kernel: str, scheduler: str):
+        self.ckpt, self.kernel, self.scheduler = ckpt, kernel, scheduler
+        self.last_steps: list[dict] = []
+        self.last_evidence: dict = {}
+
+    def run(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, list[list[int]]]:
+        import torch
+
+        from moebench.engine import Engine, Request, RuntimeConfig
+
+        torch.set_num_threads(threads)
+        engine = Engine(self.ckpt, None, RuntimeConfig(kernel=self.kernel, scheduler=self.scheduler,
+                                                       batch_size=len(prompts), max_new_tokens=new_tokens))
+        reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
+        start = time.perf_counter()
+        result = engine.generate(reqs, prompt_ids=prompts)
+        seconds = time.perf_counter() - start
+        if result.activation_errors:
+            raise MoebenchError("bundled runtime: " + "; ".join(result.activation_errors))
+        self.last_steps, self.last_evidence = result.steps, result.evidence
+        return seconds, [c.output_ids for c in result.completions]
+
+
+class TransformersSide:
+    """transformers' generate() in this process (its weights in huge pages, as the runtime's)."""
+
+    name = "transformers"
+
+    def __init__(self, path: Path, experts: str, huge_pages: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from moebench.engine.memory import to_huge_pages
+
+        # transformers 5 runs experts through torch._grouped_mm by default; "eager" is its
+        # per-expert loop, the same algorithm as the engine's kernel=naive
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          experts_implementation=experts).eval()
+        if huge_pages:
+            for param in self.model.parameters():
+                param.data = to_huge_pages(param.data)
+
+    def run(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, list[list[int]]]:
+        import torch
+
+        torch.set_num_threads(threads)
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - start
+        return seconds, out[:, ids.shape[1]:].tolist()
+
+
+class LlamaServerSide:
+    """llama.cpp's llama-server on the checkpoint's F32 GGUF, one server per thread count."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, max_batch: int, context_per_slot: int, log_dir: Path):
+        from moebench.engines.llamacpp import llama_server_path
+
+        self.binary = llama_server_path()
+        self.gguf = gguf
+        self.slots = max_batch
+        self.context = max_batch * context_per_slot
+        self.context_per_slot = context_per_slot
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen | None = None
+        self.threads: int | None = None
+        self.url = ""
+        self.huge_page_bytes: dict[int, int] = {}
+        self.argv: list[str] = []
+
+    def start(self, threads: int) -> None:
+        import httpx
+
+        from moebench.engines.server import free_port
+        from moebench.processes import die_with_parent
+
+        self.stop()
+        port = free_port()
+        self.argv = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
+                     "-t", str(threads), "-tb", str(threads), "--load-mode", "none", "-c", str(self.context),
+                     "--parallel", str(self.slots), "--override-kv",
+                     f"qwen3moe.context_length=int:{max(self.context_per_slot, 512)}",
+                     "-ctk", "f32", "-ctv", "f32", "--cache-ram", "0", "--no-warmup"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+        log = open(self.log_dir / f"llama-server-t{threads}.log", "wb")
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True,
+                                     preexec_fn=lambda: die_with_parent(os.getppid(), signal.SIGKILL))
+        log.close()
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                tail = (self.log_dir / f"llama-server-t{threads}.log").read_text(errors="replace").strip()
+                raise MoebenchError(f"llama-server exited with code {self.proc.returncode} while loading; its log "
+                                    f"ends: {' | '.join(tail.splitlines()[-3:])}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise MoebenchError(f"llama-server not healthy after 300 s (log: {self.log_dir})")
+            time.sleep(0.25)
+        self.threads = threads
+        self.huge_page_bytes[threads] = _anon_huge_page_bytes(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self.proc = None
+
+    def _complete(self, prompt: list[int], new_tokens: int) -> list[int]:
+        import httpx
+
+        body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        response = httpx.post(self.url + "/completion", json=body, timeout=600.0)
+        if response.status_code != 200:
+            raise MoebenchError(f"llama-server answered {response.status_code}: {response.text[:200]}")
+        return list(response.json().get("tokens") or [])
+
+    def run(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, list[list[int]]]:
+        if self.threads != threads or self.proc is None:
+            self.start(threads)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            start = time.perf_counter()
+            tokens = list(pool.map(lambda p: self._complete(p, new_tokens), prompts))
+            seconds = time.perf_counter() - start
+        return seconds, tokens
+
+
+def _anon_huge_page_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def decode_rate(batch: int, new_tokens: int, short_s: float, long_s: float) -> float:
+    """Decode tokens/s from a run of 1 and a run of `new_tokens` tokens per request (NaN where the
+    longer run was not slower: noise larger than the decode time, nothing to report)."""
+    return batch * (new_tokens - 1) / (long_s - short_s) if long_s > short_s else float("nan")
+
+
+def decode_bytes_per_step(steps: list[dict]) -> float:
+    """Mean bytes read per decode step, from the runtime's step records."""
+    decode = [s["bytes_read"] for s in steps if s["phase"] == "decode"]
+    if not decode:
+        raise MoebenchError("the measured run had no decode step (use --new-tokens >= 2)")
+    return sum(decode) / len(decode)
+
+
+def identical_count(tokens: list[list[int]], reference: list[list[int]]) -> int:
+    return sum(list(a) == list(b) for a, b in zip(tokens, reference))
+
+
+def first_difference(tokens: list[list[int]], reference: list[list[int]]) -> list[int | None]:
+    """Per sequence, the index of the first token that differs from the reference (None: none)."""
+    out = []
+    for a, b in zip(tokens, reference):
+        out.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                        None if len(a) == len(b) else min(len(a), len(b))))
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def bench_engine_command(
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory; default: a random 0.89B Qwen3-MoE (8 layers, hidden 1024, 128 experts top-8, width 256, vocab 32000) written to a temp dir."),
+    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process) or llama.cpp (llama-server on the checkpoint exported to an F32 GGUF)."),
     batch: list[int] = typer.Option([1, 16], "--batch", help="Batch sizes to measure (repeat the option)."),
+    threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread counts to measure (repeat the option); default: every core of the machine, the count that measured fastest for both engines at batch 1 and 16 (docs/cpu-decode.md)."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens per request."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated per request."),
-    repeats: int = typer.Option(2, "--repeats", help="Interleaved repetitions; the best time of each side is kept."),
+    repeats: int = typer.Option(3, "--repeats", help="Interleaved rounds; medians over rounds are shown."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Override the random model's layer count (smaller = faster)."),
-    kernel: str = typer.Option("naive", "--kernel", help="Engine MoE kernel to measure (naive = the baseline)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's choice)."),
+    kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
+    scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
     hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
     hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the figures, settings and machine as JSON here (a manifest of the benchmark)."),
 ):
-    """Measure decode tok/s of the engine and of transformers' generate() on one checkpoint."""
+    """Decode tok/s of the bundled runtime against transformers or llama.cpp on one checkpoint, with
+    bytes per step, the roofline at the bandwidth measured in the same run, and greedy agreement."""
+    if vs not in VS_CHOICES:
+        raise MoebenchError(f"--vs {vs!r}: choose from {', '.join(VS_CHOICES)}")
+    if new_tokens < 2:
+        raise MoebenchError(f"--new-tokens must be >= 2 (decode is timed as 1 token against N), got {new_tokens}")
+    if repeats < 1 or prompt_len < 1 or any(b < 1 for b in batch):
+        raise MoebenchError("--repeats, --prompt-len and --batch must be >= 1")
+    if kernel not in ("naive", "fused") or scheduler not in ("static", "continuous"):
+        raise MoebenchError(f"--kernel {kernel!r} / --scheduler {scheduler!r}: expected naive|fused, static|continuous")
+    default_threads = threads is None or not threads
+    thread_counts = sorted(set(threads)) if not default_threads else [default_thread_count()]
+    if any(t < 1 for t in thread_counts):
+        raise MoebenchError(f"--threads must be >= 1, got {thread_counts}")
+    if model is not None and not (model / "config.json").is_file():
+        raise MoebenchError(f"--model {model}: no config.json there")
+
+    import gc
+
     import torch  # here, not at the top: `moebench --help` imports this module
-    from transformers import AutoModelForCausalLM
 
-    from moebench.random_models import make_random_qwen3_moe
+    from moebench.engine import load_checkpoint
+    from moebench.machine import describe_machine, measure_read_bandwidth_gb_s
+    from moebench.random_models import make_random_qwen3_moe, write_char_tokenizer
 
-    from moebench.engine import Engine, RuntimeConfig, load_checkpoint
-    from moebench.engine.memory import to_huge_pages
-
-    if threads:
-        torch.set_num_threads(threads)
-    console = Console()
-    with tempfile.TemporaryDirectory() as tmp:
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    batches = sorted(set(batch))
+    with tempfile.TemporaryDirectory(prefix="moebench-bench-engine-") as tmp:
+        tmp = Path(tmp)
         path = model
         if path is None:
             overrides = {"num_hidden_layers": layers} if layers else {}
             with console.status("writing a random Qwen3-MoE checkpoint"):
-                path = make_random_qwen3_moe(Path(tmp) / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0)
+                path = make_random_qwen3_moe(tmp / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0)
+                if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
+                    write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
         ckpt = load_checkpoint(path)
-        # transformers 5 runs experts through torch._grouped_mm by default; "eager" is its
-        # per-expert loop, the same algorithm as the engine's kernel=naive
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation=hf_experts).eval()
-        if hf_huge_pages:
-            for param in hf.parameters():
-                param.data = to_huge_pages(param.data)
         g = torch.Generator().manual_seed(0)
-        pages = "huge pages on both sides" if hf_huge_pages else "engine in huge pages, transformers in default pages"
-        table = Table(title=f"decode tok/s, {ckpt.num_params / 1e9:.2f}B params, prompt {prompt_len}, "
-                            f"{new_tokens} new tokens, {pages}")
-        for col in ("batch", f"transformers ({hf_experts})", f"engine ({kernel})", "ratio"):
-            table.add_column(col, justify="right")
-        for b in batch:
-            prompts = torch.randint(1, ckpt.config.vocab_size, (b, prompt_len), generator=g).tolist()
-            engine = Engine(ckpt, None, RuntimeConfig(kernel=kernel, batch_size=b, max_new_tokens=new_tokens))
-            best = {"hf": [float("inf")] * 2, "engine": [float("inf")] * 2}
-            _time_engine(engine, prompts, 2)  # warm-up both sides
-            _time_hf(hf, prompts, 2)
-            for _ in range(repeats):
-                for side, fn, target in (("engine", _time_engine, engine), ("hf", _time_hf, hf)):
-                    for i, n in enumerate((1, new_tokens)):
-                        best[side][i] = min(best[side][i], fn(target, prompts, n))
-            rate = {s: b * (new_tokens - 1) / max(t[1] - t[0], 1e-9) for s, t in best.items()}
-            table.add_row(str(b), f"{rate['hf']:.1f}", f"{rate['engine']:.1f}", f"{rate['engine'] / rate['hf']:.2f}x")
-        console.print(table)
+        prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), prompt_len), generator=g).tolist()
+
+        # transformers' greedy tokens for every prompt, once, batched, before any timing
+        with console.status("transformers: greedy reference tokens"):
+            hf = TransformersSide(path, hf_experts, hf_huge_pages)
+            _, reference = hf.run(prompts, new_tokens, max(thread_counts))
+        if vs == "llama.cpp":
+            del hf
+            gc.collect()
+            from moebench.export_gguf import export_gguf
+
+            with console.status("exporting the checkpoint to an F32 GGUF"):
+                gguf = export_gguf(path, tmp / "model-f32.gguf", "f32")
+            other = LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)
+        else:
+            other = hf
+        bundled = BundledSide(ckpt, kernel, scheduler)
+
+        rows = []
+        try:
+            for t in thread_counts:
+                torch.set_num_threads(t)
+                bandwidths: list[float] = []
+                figures = {(b, side.name): {"rates": [], "tokens": None} for b in batches for side in (bundled, other)}
+                bytes_per_step: dict[int, list[float]] = {b: [] for b in batches}
+                for b in batches:  # warm-up: first touches, the server's start
+                    for side in (bundled, other):
+                        side.run(prompts[:b], 2, t)
+                for round_ in range(repeats):
+                    torch.set_num_threads(t)
+                    bandwidths.append(measure_read_bandwidth_gb_s())
+                    for b in batches:
+                        order = (bundled, other) if (round_ + b) % 2 == 0 else (other, bundled)
+                        for side in order:
+                            short_s, _ = side.run(prompts[:b], 1, t)
+                            long_s, tokens = side.run(prompts[:b], new_tokens, t)
+                            cell = figures[(b, side.name)]
+                            cell["rates"].append(decode_rate(b, new_tokens, short_s, long_s))
+                            cell["tokens"] = tokens
+                            if side is bundled:
+                                bytes_per_step[b].append(decode_bytes_per_step(side.last_steps))
+                bandwidth = max(bandwidths)
+                for b in batches:
+                    mine, theirs = figures[(b, bundled.name)], figures[(b, other.name)]
+                    step_bytes = _median(bytes_per_step[b])
+                    roofline = b * bandwidth * 1e9 / step_bytes
+                    ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
+                    rows.append({
+                        "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
+                        "bandwidth_gb_s_rounds": bandwidths, "roofline_tok_s": roofline,
+                        "engines": {
+                            side: {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
+                                   "roofline_fraction": _median(cell["rates"]) / roofline,
+                                   "greedy_identical_to_transformers": identical_count(cell["tokens"], reference[:b]),
+                                   "first_difference": first_difference(cell["tokens"], reference[:b])}
+                            for side, cell in ((bundled.name, mine), (other.name, theirs))},
+                        "ratio_median": _median(ratios), "ratio_rounds": ratios,
+                    })
+        finally:
+            if isinstance(other, LlamaServerSide):
+                other.stop()
+
+        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled)
+        if out is not None:
+            from moebench.fileio import atomic_write_json
+
+            manifest = {
+                "schema": MANIFEST_SCHEMA, "vs": vs, "model": str(model) if model else "random qwen3_moe",
+                "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+                "kernel": kernel, "scheduler": scheduler, "batches": batches, "threads": thread_counts,
+                "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
+                "machine": describe_machine(measure_bandwidth=False),
+                "runtime_evidence": bundled.last_evidence,
+                "llama_server": ({"argv": other.argv, "huge_page_bytes": other.huge_page_bytes}
+                                 if isinstance(other, LlamaServerSide) else None),
+                "rows": rows,
+            }
+            atomic_write_json(out, manifest)
+            console.print(f"wrote {out}")
+
+
+THREADS_REASON = ("every core: with the step's thread pool (kernels/csrc/dense_cpu.cpp) the decode step measured "
+                  "faster with 2 threads than with 1 at batch 1 and 16 on the 2-core machine (docs/cpu-decode.md), "
+                  "and llama.cpp's fastest setting was also every core")
+
+
+def default_thread_count() -> int:
+    """Every core this process may run on (see THREADS_REASON)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_tokens: int, repeats: int,
+                 other, bundled) -> None:
+    table = Table(title=f"decode tok/s (median of {repeats} interleaved rounds), {ckpt.num_params / 1e9:.2f}B params, "
+                        f"prompt {prompt_len}, {new_tokens} new tokens, greedy")
+    for col in ("threads", "batch", bundled.name, other.name, "ratio", "MB/step", "read GB/s", "roofline",
+                f"{bundled.name} % roof", f"{other.name} % roof", "greedy = transformers"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        mine, theirs = r["engines"][bundled.name], r["engines"][other.name]
+        table.add_row(
+            str(r["threads"]), str(r["batch"]), f"{mine['decode_tok_s']:.1f}", f"{theirs['decode_tok_s']:.1f}",
+            f"{r['ratio_median']:.2f}x", f"{r['bytes_per_step'] / 1e6:.0f}", f"{r['bandwidth_gb_s']:.1f}",
+            f"{r['roofline_tok_s']:.1f}", f"{mine['roofline_fraction']:.0%}", f"{theirs['roofline_fraction']:.0%}",
+            f"{mine['greedy_identical_to_transformers']}/{r['batch']}, {theirs['greedy_identical_to_transformers']}/{r['batch']}")
+    console.print(table)
+    if isinstance(other, LlamaServerSide):
+        pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
+        console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")
