@@ -240,12 +240,11 @@ def core_main(conn, options: CoreOptions, parent: int, close_fds: tuple[int, ...
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the front end went away: nothing to tell
         pass
     except BaseException as e:
-        message = str(e) if isinstance(e, MoebenchError) else f"{type(e).__name__}: {e}"
-        if not isinstance(e, MoebenchError):
+        if not isinstance(e, MoebenchError):  # a bug or a crash: the log gets the traceback
             traceback.print_exc()
-        print(f"moebench serve: engine failed: {message}", file=sys.stderr, flush=True)
-        try:
-            conn.send(("failed", str(e) if isinstance(e, MoebenchError) else str(e) or type(e).__name__))
+            print(f"moebench serve: engine failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        try:  # the front end reports it (one line, exit 2) and fails the requests in flight
+            conn.send(("failed", str(e) or type(e).__name__))
         except OSError:
             pass
     finally:
