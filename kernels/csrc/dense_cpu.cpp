@@ -17,9 +17,9 @@
 // core): a spinning thread would take the core another job needs.
 //
 // Dense projections. At decode time x has 1-16 rows and w a few MB: a weight row is read once and
-// meets every token while it is in L1. Items are blocks of output rows; a block's rows are dotted
-// with all tokens 4 rows x 3 tokens at a time (12 accumulators, each loaded weight vector feeds 3
-// FMAs), or 8 rows x 1 token for a single token (8 row streams in flight). torch's matmul on these
+// meets every token while it is in L1. Items are blocks of output rows; with up to 3 tokens the
+// rows are read one after another (one sequential stream, which the hardware prefetchers follow),
+// with more, 4 rows x 3 tokens at a time (12 accumulators, each loaded weight vector feeds 3 FMAs). torch's matmul on these
 // shapes (MKL) reaches a fraction of the read bandwidth and uses the second thread poorly.
 
 #include <torch/extension.h>
@@ -241,6 +241,19 @@ inline void tile(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   int64_t k = 0;
+  if (R == 1) {  // a single row: a second set of accumulators hides the FMA latency
+    __m256 acc2[T];
+    for (int t = 0; t < T; ++t) acc2[t] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        acc[0][t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + k), acc[0][t]);
+        acc2[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + k + 8), acc2[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) acc[0][t] = _mm256_add_ps(acc[0][t], acc2[t]);
+  }
   for (; k + 8 <= K; k += 8) {
     __m256 xv[T];
 #pragma GCC unroll 4
@@ -273,11 +286,14 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
         out[(t0 + t) * ldo + r + g] = o[g * tokens + t] + (bias != nullptr ? bias[r + g] : 0.0f);
   };
   int64_t r = r0;
-  if (N == 1) {
-    for (; r + 8 <= r1; r += 8) {
-      tile<8, 1>(w + r * ldw, ldw, x, ldx, K, o);
-      store(r, 8, 0, 1);
+  if (N <= 3) {  // one row after another, with every token: memory sees one sequential stream
+    for (; r < r1; ++r) {
+      if (N == 1) tile<1, 1>(w + r * ldw, ldw, x, ldx, K, o);
+      else if (N == 2) tile<1, 2>(w + r * ldw, ldw, x, ldx, K, o);
+      else tile<1, 3>(w + r * ldw, ldw, x, ldx, K, o);
+      store(r, 1, 0, static_cast<int>(N));
     }
+    return;
   }
   for (; r + 4 <= r1; r += 4) {
     int64_t t = 0;

@@ -111,15 +111,62 @@ inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float*
     }
 }
 
+// One weight row with T tokens (1-3), read front to back: o[t] = dot(w, x[t]). A decode step's
+// expert sees 1-3 tokens; reading its rows one after another keeps memory one sequential stream,
+// which the hardware prefetchers follow, where 8 rows read side by side (8 streams of a few KB,
+// each ending before a prefetcher has ramped up) streamed ~20% slower (docs/cpu-decode.md).
+template <int T, typename W>
+inline void dot_row(const W* w, const float* const* x, int64_t K, float* o) {
+  constexpr int U = T == 1 ? 4 : 2;  // independent accumulators per token (FMA latency)
+  __m256 acc[U][T];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 3
+    for (int t = 0; t < T; ++t) acc[u][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8(w + k + 8 * u);
+#pragma GCC unroll 3
+      for (int t = 0; t < T; ++t) acc[u][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k + 8 * u), acc[u][t]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = load8(w + k);
+    for (int t = 0; t < T; ++t) acc[0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k), acc[0][t]);
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 v = acc[0][t];
+    for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[u][t]);
+    float s = hsum(v);
+    for (int64_t kk = k; kk < K; ++kk) s += load1(w + kk) * x[t][kk];
+    o[t] = s;
+  }
+}
+
+// o[r * T + t] for rows r of a group of 8, one row after another.
+template <int T, typename W>
+inline void rows8_rowwise(const W* const* w, const float* const* x, int64_t K, float* o) {
+  for (int r = 0; r < 8; ++r) dot_row<T>(w[r], x, K, o + r * T);
+}
+
 // Dots a group of 8 weight rows with n tokens, tile by tile, calling
 // epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token t.
-// One token: all 8 rows at once (8 accumulators, 8 row streams). Two or three tokens: two
-// passes of 4 rows, so each loaded weight vector feeds 2-3 FMAs; the rows stay in L1/L2
-// between passes, so memory still sees each row once. pf: see dot_tile (only the first token
-// tile prefetches; later tiles find the rows in cache).
+// Up to 3 tokens (decode): the rows one after another, each with every token (dot_row). More
+// tokens (prefill): two passes of 4 rows x 3 tokens, so each loaded weight vector feeds 3 FMAs;
+// the rows stay in L1/L2 between passes, so memory still sees each row once. pf: see dot_tile
+// (only the first token tile prefetches; later tiles find the rows in cache).
 template <typename W, typename Epi>
 inline void rows8_tokens(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi, int64_t pf = 0) {
   float o[8 * 3];
+  if (n <= 3) {  // decode: rows one after another (see dot_row)
+    if (n == 1) rows8_rowwise<1>(w, x, K, o);
+    else if (n == 2) rows8_rowwise<2>(w, x, K, o);
+    else if (n == 3) rows8_rowwise<3>(w, x, K, o);
+    if (n > 0) epi(0, static_cast<int>(n), o);
+    return;
+  }
   int64_t t = 0;
   for (; n - t >= 3; t += 3) {
     dot_tile<4, 3>(w, x + t, K, o, t == 0 ? pf : 0);
@@ -127,11 +174,11 @@ inline void rows8_tokens(const W* const* w, const float* const* x, int64_t n, in
     epi(t, 3, o);
   }
   if (n - t == 2) {
-    dot_tile<4, 2>(w, x + t, K, o, t == 0 ? pf : 0);
-    dot_tile<4, 2>(w + 4, x + t, K, o + 8, t == 0 ? pf : 0);
+    dot_tile<4, 2>(w, x + t, K, o);
+    dot_tile<4, 2>(w + 4, x + t, K, o + 8);
     epi(t, 2, o);
   } else if (n - t == 1) {
-    dot_tile<8, 1>(w, x + t, K, o, t == 0 ? pf : 0);
+    dot_tile<8, 1>(w, x + t, K, o);
     epi(t, 1, o);
   }
 }
