@@ -7,6 +7,7 @@ that goes away frees its slot. Every server is killed at the end and the test ch
 process group is gone."""
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -298,11 +299,11 @@ main()
 """
 
 
-def test_an_engine_failure_reaches_the_client_and_ends_the_server():
-    """The runtime raising mid-request (a real server whose engine is made to fail): the stream
-    ends with an error event, and the server exits with status 2 instead of looking alive."""
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE_FAILS_AFTER_20_STEPS], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+@contextlib.contextmanager
+def _server_that_may_die(argv):
+    """A server started by hand (not ServeProcess, whose exit this test wants to see), healthy on
+    entry; killed with its process group on exit if still alive, and the group checked gone."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         url = None
         while url is None:
@@ -317,12 +318,7 @@ def test_an_engine_failure_reaches_the_client_and_ends_the_server():
             except httpx.HTTPError:
                 pass
             asyncio.run(asyncio.sleep(0.1))
-        r = httpx.post(url + "/v1/completions", json={"prompt": [7] * 8, "max_tokens": 100, "stream": True},
-                       timeout=60)
-        events = _events(r)
-        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == "[DONE]"
-        assert proc.wait(timeout=30) == 2
-        assert "moebench: error: engine failed: injected engine failure" in proc.stderr.read()
+        yield proc, url
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -330,25 +326,22 @@ def test_an_engine_failure_reaches_the_client_and_ends_the_server():
         assert _gone(proc.pid)
 
 
+def test_an_engine_failure_reaches_the_client_and_ends_the_server():
+    """The runtime raising mid-request (a real server whose engine is made to fail): the stream
+    ends with an error event, and the server exits with status 2 instead of looking alive."""
+    with _server_that_may_die([sys.executable, "-c", ENGINE_FAILS_AFTER_20_STEPS]) as (proc, url):
+        r = httpx.post(url + "/v1/completions", json={"prompt": [7] * 8, "max_tokens": 100, "stream": True},
+                       timeout=60)
+        events = _events(r)
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == "[DONE]"
+        assert proc.wait(timeout=30) == 2
+        assert "moebench: error: engine failed: injected engine failure" in proc.stderr.read()
+
+
 def test_a_killed_engine_process_fails_its_requests_and_ends_the_server():
     """The engine runs in a process of its own: killing it (as the OOM killer would) mid-stream
     gives the client an error event, and the front end exits with status 2 instead of looking alive."""
-    proc = subprocess.Popen([sys.executable, "-m", "moebench", "serve", "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        url = None
-        while url is None:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            if "listening on " in line:
-                url = line.split("listening on ")[1].strip()
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            asyncio.run(asyncio.sleep(0.1))
+    with _server_that_may_die([sys.executable, "-m", "moebench", "serve", "--port", "0"]) as (proc, url):
         engine_pid = httpx.get(url + "/v1/moebench/evidence").json()["runtime"]["engine_process"]
         assert engine_pid != proc.pid and os.getpgid(engine_pid) == proc.pid
         body = {"prompt": [7] * 8, "max_tokens": 400, "stream": True}
@@ -360,8 +353,3 @@ def test_a_killed_engine_process_fails_its_requests_and_ends_the_server():
         assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == "[DONE]"
         assert proc.wait(timeout=30) == 2
         assert "engine process died" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        assert _gone(proc.pid)
