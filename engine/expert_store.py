@@ -297,9 +297,6 @@ class PooledStore(ExpertStore):
         self.counters = _Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
                                    "predicted", "needed_predicted", "predicted_needed", "borrowed",
                                    "prefetch_no_room"))
-        # what demand loads cost the model's thread, per expert: what a prefetch hit saves (the
-        # prefetcher weighs it against the cost of its guesses)
-        self.demand_seconds, self.demand_loads = 0.0, 0
         self.rss = memory.PeakRss()
         self._memory = {"expert_pool_bytes": self.w13.nbytes + self.w2.nbytes,
                         **_held_elsewhere(ckpt, tier, (self.w13, self.w2)), "read_buffer_bytes": buffers}
@@ -486,13 +483,6 @@ class PooledStore(ExpertStore):
         c.add("expert_misses", len(misses))
         c.add("bytes_loaded", len(misses) * self.tier.expert_bytes)
         t0 = time.perf_counter()
-        try:
-            return self._run_demand_loads(layer, pool, misses, need, t0)
-        finally:
-            self.demand_seconds += time.perf_counter() - t0
-            self.demand_loads += len(misses)
-
-    def _run_demand_loads(self, layer, pool, misses, need, t0) -> float:
         loads = [(e, self._claim(layer, e, need, demand=True)) for e in misses]
         if self.demand_executor is not None and len(loads) > 1:
             for f in self._submit(layer, loads, self.demand_executor):
@@ -767,7 +757,7 @@ def make_store_and_prefetcher(ckpt, runtime):
         # Guessing stops for a while where it costs more than it saves (cheap loads); see PlanGovernor.
         governor = {"enabled": bool(runtime.extra.get("lookahead_governor", True)),
                     "window": int(runtime.extra.get("lookahead_window", 48)),
-                    "pause": int(runtime.extra.get("lookahead_pause", 480))}
+                    "keep": int(runtime.extra.get("lookahead_keep", 8))}
         return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 1)),
                                           early=early, governor=governor)
     return store, NoPrefetch(store)

@@ -30,59 +30,65 @@ from moebench.engine.expert_store import PooledStore, host_ids
 
 
 class PlanGovernor:
-    """Decides at run time whether guessing pays: every `window` plans it weighs what they cost the
-    model's thread (the time spent guessing and issuing) against what they saved it (prefetch hits
-    times what a demand load of one expert costs, as the store measures its own demand loads). Where
-    the saving is smaller (cheap loads: the host tier on a CPU, small experts) it stops predicting for
-    `pause` plans, during which misses load on demand as with prefetch=off, then tries again. No
-    demand load measured yet counts as a saving too large to stop for."""
+    """Decides at run time whether predicting pays, by measuring both: it alternates a window of
+    `window` plans with predictions on and a window of as many skipped plans (predictions off, misses
+    loaded on demand as with prefetch=off), and compares what each cost the model's thread per expert
+    look-up: with predictions, the time spent guessing and issuing plus the stall (waiting for loads
+    in flight, loading what was missed); without, the stall. The cheaper mode then runs for `keep`
+    windows before the other is measured again. So where loads are cheap (the host tier on a CPU, small
+    experts) or prefetches only crowd a saturated disk, it stops predicting, and it starts again
+    when that changes. Kernel time is the same in both modes and is left out of the comparison."""
 
-    def __init__(self, store, window: int = 48, pause: int = 480, enabled: bool = True):
-        self.store, self.window, self.pause, self.enabled = store, window, pause, enabled
-        self.paused_left = 0
+    def __init__(self, store, window: int = 48, keep: int = 8, enabled: bool = True):
+        self.store, self.window, self.keep, self.enabled = store, window, keep, enabled
+        self.predicting = True
+        self.left = window  # plans left in this window (counted whether made or skipped)
+        self.probe = True  # a short window measuring its mode against the other (else a kept stretch)
+        self.cost = {True: None, False: None}  # last measured cost per look-up (s), by mode
         self.pauses = self.resumes = self.skipped = 0
-        self.last = None  # the last decision: (cost s, saving s, plans)
+        self.last = None
         self._start_window()
 
     def _start_window(self) -> None:
-        self.plans, self.cost = 0, 0.0
-        self.hits0 = self.store.counters.total["prefetch_hits"]
+        t = self.store.counters.total
+        self.plan_s, self.stall0, self.lookups0 = 0.0, t["stall_s"], t["lookups"]
 
     def should_plan(self) -> bool:
-        if self.paused_left <= 0:
-            return True
-        self.paused_left -= 1
-        self.skipped += 1
-        if self.paused_left == 0:
-            self.resumes += 1
-            self._start_window()
-        return False
+        if self.enabled and self.left <= 0:
+            self._next_window()
+        self.left -= 1
+        if not self.predicting:
+            self.skipped += 1
+        return self.predicting
 
     def planned(self, seconds: float) -> None:
-        self.plans += 1
-        self.cost += seconds
-        if self.plans < self.window or not self.enabled:
-            return
-        store = self.store
-        hits = store.counters.total["prefetch_hits"] - self.hits0
-        per_load = store.demand_seconds / store.demand_loads if store.demand_loads else None
-        saving = hits * per_load if per_load is not None else float("inf")
-        self.last = (self.cost, saving, self.plans)
-        if saving < self.cost:
-            self.pauses += 1
-            self.paused_left = self.pause
+        self.plan_s += seconds
+
+    def _next_window(self) -> None:
+        t = self.store.counters.total
+        lookups = t["lookups"] - self.lookups0
+        if lookups:  # every window measures its mode afresh, kept stretches too
+            self.cost[self.predicting] = (t["stall_s"] - self.stall0 + self.plan_s) / lookups
+        on, off = self.cost[True], self.cost[False]
+        if off is None:  # the first window measured predictions: now measure without
+            mode, self.probe, windows = False, True, 1
+        elif self.probe:  # both measured: keep the cheaper one for a while
+            mode, self.probe, windows = on <= off, False, self.keep
+            self.last = {"us_per_lookup_predicting": round(on * 1e6, 3),
+                         "us_per_lookup_not_predicting": round(off * 1e6, 3), "predicting": mode}
+        else:  # a kept stretch ended: measure the other mode again
+            mode, self.probe, windows = not self.predicting, True, 1
+        if mode != self.predicting:
+            self.pauses += not mode
+            self.resumes += mode
+        self.predicting = mode
+        self.left = self.window * windows
         self._start_window()
 
     def evidence(self) -> dict:
-        last = None
-        if self.last is not None:
-            cost, saving, plans = self.last
-            last = {"plans": plans, "guess_cost_us": round(cost * 1e6, 1),
-                    "saved_us": None if saving == float("inf") else round(saving * 1e6, 1),
-                    "paused": saving < cost}
         return {"lookahead_governor": self.enabled, "lookahead_pauses": self.pauses,
                 "lookahead_resumes": self.resumes, "lookahead_skipped_plans": self.skipped,
-                "lookahead_last_decision": last}
+                "lookahead_last_decision": self.last}
 
 
 class LookaheadPrefetcher:

@@ -320,30 +320,40 @@ def test_early_guess_uses_the_next_router_on_this_layers_moe_input(ckpt):
     store.close()
 
 
-def test_governor_stops_guessing_where_loads_are_cheaper_than_guesses_and_resumes():
-    """Every `window` plans: saving = prefetch hits x the store's measured demand-load time per expert,
-    against the plans' own time. Cheaper loads than guesses: pause `pause` plans, then try again."""
+def test_governor_measures_both_modes_and_keeps_the_cheaper():
+    """A window of `window` plans predicting, one not predicting; cost per look-up = (guess time +
+    stall) / look-ups with predictions, stall / look-ups without; the cheaper mode runs `keep` windows,
+    then the other is measured again."""
     from types import SimpleNamespace
 
     from moebench.engine.prefetch import PlanGovernor
 
-    store = SimpleNamespace(counters=SimpleNamespace(total={"prefetch_hits": 0}), demand_seconds=0.0, demand_loads=0)
-    gov = PlanGovernor(store, window=4, pause=3)
-    for _ in range(4):  # no demand load measured yet: keep guessing
-        assert gov.should_plan()
-        store.counters.total["prefetch_hits"] += 2
-        gov.planned(50e-6)
-    assert gov.pauses == 0 and gov.evidence()["lookahead_last_decision"]["saved_us"] is None
-    store.demand_seconds, store.demand_loads = 20e-6 * 10, 10  # a load costs 20 us: 2 hits save 40 < 50 us
-    for _ in range(4):
-        assert gov.should_plan()
-        store.counters.total["prefetch_hits"] += 2
-        gov.planned(50e-6)
-    assert gov.pauses == 1 and gov.evidence()["lookahead_last_decision"]["paused"] is True
-    assert [gov.should_plan() for _ in range(4)] == [False, False, False, True]
-    assert gov.resumes == 1 and gov.skipped == 3
-    store.demand_seconds, store.demand_loads = 400e-6 * 10, 10  # disk-like loads: guessing pays
-    for _ in range(4):
-        store.counters.total["prefetch_hits"] += 2
-        gov.planned(50e-6)
-    assert gov.pauses == 1 and gov.should_plan()
+    total = {"stall_s": 0.0, "lookups": 0}
+    store = SimpleNamespace(counters=SimpleNamespace(total=total))
+    gov = PlanGovernor(store, window=2, keep=3)
+
+    def plans(n, guess_s, stall_s_per_plan):
+        made = []
+        for _ in range(n):
+            made.append(gov.should_plan())
+            if made[-1]:
+                gov.planned(guess_s)
+            total["stall_s"] += stall_s_per_plan[made[-1]]
+            total["lookups"] += 4
+        return made
+
+    # loads are cheap: predicting saves 1 us of stall per plan but guessing costs 30 us
+    cheap = {True: 19e-6, False: 20e-6}
+    assert plans(2, 30e-6, cheap) == [True, True]  # the first window predicts
+    assert plans(2, 30e-6, cheap) == [False, False]  # the second measures not predicting
+    assert plans(6, 30e-6, cheap) == [False] * 6  # not predicting was cheaper: kept 3 windows
+    assert gov.pauses == 1 and gov.evidence()["lookahead_last_decision"]["predicting"] is False
+    # loads become costly (a disk): predictions are measured again, lose against the last (cheap)
+    # measure of not predicting, whose next stretch measures it afresh; then predictions win and resume
+    costly = {True: 50e-6, False: 400e-6}
+    assert plans(2, 30e-6, costly) == [True, True]
+    assert plans(6, 30e-6, costly) == [False] * 6
+    assert plans(2, 30e-6, costly) == [True, True]
+    assert plans(6, 30e-6, costly) == [True] * 6
+    assert (gov.pauses, gov.resumes) == (2, 2) and gov.evidence()["lookahead_last_decision"]["predicting"] is True
+    assert gov.skipped == 14
