@@ -40,6 +40,7 @@ from moebench.engine.linear_state import HybridCache, StateBlockManager
 from moebench.engine.memory import to_huge_pages
 from moebench.engine.model import ForwardBatch, RotaryEmbedding, rms_norm
 from moebench.errors import MoebenchError
+from moebench.kernels.cpu_dense import linear
 
 FAMILY = "bailing_hybrid"
 MLA, KDA = "mla", "kda"
@@ -439,9 +440,9 @@ class HybridTransformer:
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         B, Lq = batch.batch_size, batch.max_q
         q_width = heads * (nope + rope) if cfg.q_lora_rank is None else cfg.q_lora_rank
-        q, kv, gate = F.linear(x, w.mla_in_proj, w.mla_in_bias).split([q_width, lora + rope, heads], dim=-1)
+        q, kv, gate = linear(x, w.mla_in_proj, w.mla_in_bias).split([q_width, lora + rope, heads], dim=-1)
         if cfg.q_lora_rank is not None:
-            q = F.linear(rms_norm(q, w.q_a_norm, LATENT_NORM_EPS), w.q_b_proj)
+            q = linear(rms_norm(q, w.q_a_norm, LATENT_NORM_EPS), w.q_b_proj)
         q_nope, q_rot = q.view(N, heads, nope + rope).split([nope, rope], dim=-1)
         q_rot = self.rope.apply(q_rot, *rope_tables)
         k_rot = self.rope.apply(kv[:, None, lora:], *rope_tables)[:, 0]
@@ -468,7 +469,7 @@ class HybridTransformer:
             out = out.transpose(1, 2).reshape(B * Lq, heads, lora)[batch.padded_index]
         out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         out = out * torch.sigmoid(gate.float()).to(out.dtype).unsqueeze(-1)
-        return F.linear(out.reshape(N, heads * cfg.v_head_dim), w.o_proj, w.o_bias)
+        return linear(out.reshape(N, heads * cfg.v_head_dim), w.o_proj, w.o_bias)
 
     def _forget_gate(self, f: torch.Tensor, w: HybridLayerWeights) -> torch.Tensor:
         """Per-channel log-decay (<= 0), float32, [N, heads, head_dim]."""
@@ -482,19 +483,25 @@ class HybridTransformer:
     def kda(self, x, i: int, batch: ForwardBatch, cache: HybridCache, slots: torch.Tensor, runs) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[i]
         N, D, h, hd = x.shape[0], self.kda_dim, cfg.kda_heads, cfg.kda_head_dim
-        mixed, f, out_gate, b = F.linear(x, w.kda_in_proj).split([3 * D, D, D, h], dim=-1)
+        mixed, f, out_gate, b = linear(x, w.kda_in_proj).split([3 * D, D, D, h], dim=-1)
         log_decay = self._forget_gate(f, w)
         beta = torch.sigmoid(b.float())
         conv_pool, state_pool = cache.conv[i], cache.recurrent[i]
         K = cfg.conv_kernel
         if batch.max_q == 1 and all(batch.num_cached):  # decode: one token of every sequence at once
-            window = torch.cat([conv_pool[slots], mixed.unsqueeze(-1)], dim=-1)  # [B, 3D, K]
-            conv_pool.index_copy_(0, slots, window[..., 1:])
+            whole = len(runs) == 1 and runs[0][0] == list(range(N))  # the batch's slots are one run, in order
+            if whole:  # a view of the pool: no gather, no scatter
+                conv_rows = conv_pool[runs[0][1]:runs[0][1] + N]
+                window = torch.cat([conv_rows, mixed.unsqueeze(-1)], dim=-1)  # [B, 3D, K]
+                conv_rows.copy_(window[..., 1:])
+            else:
+                window = torch.cat([conv_pool[slots], mixed.unsqueeze(-1)], dim=-1)
+                conv_pool.index_copy_(0, slots, window[..., 1:])
             qkv = F.silu((window.float() * w.conv_weight).sum(-1)).to(x.dtype).float()
             q, k, v = (t.view(N, h, hd) for t in qkv.split(D, dim=-1))
             q = l2_normalize(q) * hd ** -0.5
             k = l2_normalize(k)
-            if len(runs) == 1 and runs[0][0] == list(range(N)):  # the whole batch: one view
+            if whole:
                 first = runs[0][1]
                 out = delta_rule_step(q, k, v, log_decay, beta, state_pool[first:first + N])
             else:
@@ -524,12 +531,12 @@ class HybridTransformer:
             out = torch.cat(outs)
         # RMSNorm per head, gated by sigmoid(output gate), in float32
         out = rms_norm(out, w.out_norm, cfg.rms_norm_eps) * torch.sigmoid(out_gate.float()).view(N, h, hd)
-        return F.linear(out.to(x.dtype).reshape(N, D), w.o_proj)
+        return linear(out.to(x.dtype).reshape(N, D), w.o_proj)
 
     @staticmethod
     def swiglu(x, w13, w2):
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2)
+        gate, up = linear(x, w13).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w2)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: HybridCache, all_positions: bool = False) -> torch.Tensor:
@@ -549,15 +556,15 @@ class HybridTransformer:
                 h = h + self.kda(x, i, batch, cache, slots, runs)
             x = rms_norm(h, w.post_attention_norm, eps)
             if cfg.is_moe_layer(i):
-                if w.shared_w13 is not None:
-                    h = h + self.swiglu(x, w.shared_w13, w.shared_w2)
-                h = self.moe_block(i, x, h)
+                # routed + shared first, then the residual: transformers' order of the two additions
+                shared = self.swiglu(x, w.shared_w13, w.shared_w2) if w.shared_w13 is not None else None
+                h = self.moe_block(i, x, h, shared)
             else:
                 h = h + self.swiglu(x, w.dense_w13, w.dense_w2)
         if not all_positions and batch.max_q > 1:
             h = h[batch.last_token_index]
         h = rms_norm(h, self.ckpt.final_norm, eps)
-        return F.linear(h, self.ckpt.lm_head).float()
+        return linear(h, self.ckpt.lm_head).float()
 
 
 class GroupedRouterGuess:

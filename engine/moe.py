@@ -130,9 +130,10 @@ def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:
 
 
 class MoeBlock:
-    """Callable `(layer, x, residual) -> residual + moe output`, wiring router, prefetcher, expert
-    store and kernel. It adds its output to the residual stream itself so that the prefetcher sees
-    the stream the next layer will read."""
+    """Callable `(layer, x, residual[, shared]) -> residual + (moe output [+ shared])`, wiring router,
+    prefetcher, expert store and kernel. It adds its output to the residual stream itself so that the
+    prefetcher sees the stream the next layer will read. `shared` (a shared expert's output, Ling)
+    is added to the routed output before the residual, in the reference model's order."""
 
     def __init__(self, model_router, kernel: MoeKernel, store, prefetcher, stats: RoutingStats):
         self.route = model_router
@@ -145,11 +146,13 @@ class MoeBlock:
         """A forward pass begins with these embeddings."""
         self.prefetcher.before_forward(h)
 
-    def __call__(self, layer: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, residual: torch.Tensor,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x, layer)
         self.stats.record(layer, topk_ids)
         self.prefetcher.before_layer(layer, x)
         w13, w2, slot_ids = self.store.fetch(layer, topk_ids)
-        h = residual + self.kernel(x, topk_weights, slot_ids, w13, w2)
+        routed = self.kernel(x, topk_weights, slot_ids, w13, w2)
+        h = residual + (routed if shared is None else routed + shared)
         self.prefetcher.after_layer(layer, h)
         return h

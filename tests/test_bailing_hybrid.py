@@ -194,6 +194,11 @@ def test_expert_offload_with_lookahead_from_the_grouped_router(tiny, kernel):
     ahead by lookahead (its guess ranks the next layer's router logits): outputs stay transformers'
     greedy ones, and the prefetches are used."""
     _, ckpt, ids_list, _, greedy = tiny
+    cfg = ckpt.config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    if moe_layers * (cfg.num_experts // 2) < cfg.num_experts:
+        pytest.skip("half the experts of every MoE layer do not hold one layer's all (a prefill may need them): "
+                    "the store refuses this budget")
     requests = [Request(f"r{i}", "") for i in range(3)]
     runtime = RuntimeConfig(batch_size=3, max_new_tokens=NEW_TOKENS, kernel=kernel, expert_budget=0.5,
                             offload_tier="host", prefetch="lookahead")
@@ -212,8 +217,9 @@ def test_lookahead_guesses_with_the_expert_bias_and_groups(tmp_path, monkeypatch
 
     ckpt = load_checkpoint(make_tiny_bailing(tmp_path / "bias", "g3_ngroup4_topk2_qlora", expert_bias_scale=0.5))
     ids_list = prompts(ckpt.config.vocab_size)
+    # the governor off: it would skip guessing in alternate windows, and this compares the guesses
     runtime = RuntimeConfig(batch_size=3, max_new_tokens=NEW_TOKENS, kernel="fused", expert_budget=0.5,
-                            offload_tier="host", prefetch="lookahead")
+                            offload_tier="host", prefetch="lookahead", extra={"lookahead_governor": False})
 
     def run():
         result = Engine(ckpt, None, runtime).generate([Request(f"r{i}", "") for i in range(3)], prompt_ids=ids_list)
