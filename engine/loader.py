@@ -72,6 +72,8 @@ class Checkpoint:
             for name, value in vars(layer).items():
                 if isinstance(value, torch.Tensor) and name not in ("qkv_proj", "qkv_bias"):  # q/k/v are views
                     total += value.numel()
+            if layer.w13 is None and layer.router is not None:  # experts left in the files (disk tier)
+                total += self.config.num_experts * self.config.expert_param_count
         return total
 
 

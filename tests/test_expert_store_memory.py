@@ -32,6 +32,7 @@ def test_disk_tier_holds_no_copy_and_half_the_memory(path):
     resident = generate(full)
     bare = load_checkpoint(path, experts_in_checkpoint_dtype=True, load_experts=False)
     assert all(layer.w13 is None and layer.w2 is None for layer in bare.layers)
+    assert bare.num_params == full.num_params  # the manifest counts the experts left in the files
     for prefetch in ("off", "lookahead"):
         result = generate(bare, expert_budget=0.5, offload_tier="disk", prefetch=prefetch)
         assert [c.output_ids for c in result.completions] == [c.output_ids for c in resident.completions]
