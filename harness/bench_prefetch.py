@@ -111,6 +111,16 @@ def _mb(n):
     return None if n is None else n / 1e6
 
 
+def _paired_ci(num: list[float], den: list[float]) -> list[float] | None:
+    """95% t interval of the paired per-repeat ratios num/den (on their logs, as `moebench run` does)."""
+    from moebench import stats
+
+    if len(num) < 2:
+        return None
+    _, ci = stats.trial_interval([a / b for a, b in zip(num, den)])
+    return [float(ci[0]), float(ci[1])]
+
+
 def _median_ratio(num: list[float], den: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
@@ -158,11 +168,15 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
         mr, mo, ml = (statistics.median(x) for x in (res, off, la))
         of_medians = (mo - ml) / (mo - mr) if mo > mr else float("nan")
         speedup = _median_ratio(off, la)
+        ci = _paired_ci(off, la)
         out["tiers"][tier] = {"hidden_share": share, "hidden_share_trials": shares,
                               "hidden_share_of_medians": of_medians, "speedup_vs_off": speedup,
+                              "speedup_vs_off_ci95": ci,
+                              "expert_memory_vs_resident": out["configs"][f"{tier}/lookahead"]["expert_memory_vs_resident"],
                               "off_vs_resident": _median_ratio(off, res),
                               "prediction_recall": evidence[f"{tier}/lookahead"].get("prediction_recall")}
         print(f"{tier}: lookahead {speedup:.2f}x decode vs off "
+              f"{'' if ci is None else f'[{ci[0]:.2f}, {ci[1]:.2f}] '}"
               f"(off is {_median_ratio(off, res):.2f}x resident's time), "
               f"hides {share:.1%} of the offload penalty (paired repeats: {', '.join(f'{s:.0%}' for s in shares)}"
               f"{'; undefined where off was not slower than resident' if len(defined) < len(shares) else ''}; "
