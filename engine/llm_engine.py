@@ -19,6 +19,7 @@ from moebench.engine.routing_stats import RoutingStats
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
 from moebench.errors import MoebenchError
+from moebench.kernels.cpu_dense import decode_threads
 
 
 @dataclass
@@ -148,8 +149,11 @@ class Engine:
         batch = build_forward_batch(new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs],
                                     rt.kv_block_size, rt.device, self.cfg.sliding_window, rt.torch_dtype)
         start = time.perf_counter()
-        logits = model.forward(batch, kv)
-        next_ids = logits.argmax(dim=-1).tolist()
+        # a decode step's parallel work runs on the kernels' thread pool, torch's own on one thread
+        # (kernels/cpu_dense.decode_threads); models that do not use the pool keep torch's threads
+        with decode_threads(batch.max_q == 1 and rt.kernel == "fused" and getattr(model, "decode_on_pool", False)):
+            logits = model.forward(batch, kv)
+            next_ids = logits.argmax(dim=-1).tolist()
         if rt.device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()

@@ -180,6 +180,9 @@ class MoeTransformer:
         # decode attention calls (one per layer and decode step) by the implementation that ran them:
         # the activation evidence of the C++ decode attention (see decode_attention_errors)
         self.attention_backends: dict[str, int] = {}
+        # a decode step's projections, attention and fused MoE all run on the extension's thread pool,
+        # so the engine gives the pool the threads and torch one (kernels/cpu_dense.decode_threads)
+        self.decode_on_pool = self.ops is not None
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]

@@ -122,3 +122,33 @@ def test_bad_shapes_are_refused(ext):
         ext.dense_linear(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(RuntimeError, match="dense_linear"):
         ext.dense_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
+
+
+def test_decode_threads_hands_torch_threads_to_the_pool(ext, threads):
+    torch.set_num_threads(2)
+    with cpu_dense.decode_threads():
+        assert torch.get_num_threads() == 1
+        assert ext.pool_threads() == 2
+    assert torch.get_num_threads() == 2 and ext.pool_threads() == 2  # the pool follows torch again
+    torch.set_num_threads(1)
+    assert ext.pool_threads() == 1
+    with cpu_dense.decode_threads(enabled=False):
+        assert torch.get_num_threads() == 1
+
+
+def test_engine_decode_runs_on_the_pool_and_restores_threads(ext, threads, tmp_path):
+    """A decode step of the runtime at 2 threads: torch has its 2 threads back after each step, and
+    greedy outputs equal the 1-thread run (the kernels' results do not depend on the thread count)."""
+    from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+    from tiny_models import make_tiny_checkpoint
+
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "m"))
+    prompts = [[3, 5, 7, 11], [2, 4, 6, 8, 10]]
+    outputs = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        engine = Engine(ckpt, None, RuntimeConfig(kernel="fused", batch_size=2, max_new_tokens=6))
+        result = engine.generate([Request(f"r{i}", "", 6) for i in range(2)], prompt_ids=prompts)
+        assert torch.get_num_threads() == n
+        outputs.append([c.output_ids for c in result.completions])
+    assert outputs[0] == outputs[1]

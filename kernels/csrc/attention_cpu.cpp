@@ -39,6 +39,7 @@
 // The step's thread pool (dense_cpu.cpp): fn(context, i) for i in [0, n) on up to `threads` threads.
 namespace moebench_cpu {
 void parallel_run(int64_t n, int threads, void (*fn)(void*, int64_t), void* context);
+int step_threads();  // the pool's thread count for this step
 }
 
 namespace {
@@ -271,7 +272,7 @@ void check_blocks(const torch::Tensor& bt, const torch::Tensor& ln, int64_t B, i
 void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& bt,
                    const torch::Tensor& ln, torch::Tensor& out, int64_t block_size, double scale, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  const int threads = std::max(1, at::get_num_threads());
+  const int threads = moebench_cpu::step_threads();
   pybind11::gil_scoped_release no_gil;
   decode_attention_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), bt.data_ptr<int64_t>(),
                         ln.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, bt.size(1), block_size,

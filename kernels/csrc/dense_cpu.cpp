@@ -196,6 +196,16 @@ class Pool {
 
 }  // namespace
 
+// Threads of the step's parallel sections: set_pool_threads(n) while a decode step runs (torch
+// itself is then set to one thread, so its OpenMP team sleeps instead of spinning on the core the
+// pool needs), else torch's own thread count.
+std::atomic<int> g_pool_threads{0};
+
+int step_threads() {
+  const int n = g_pool_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : std::max(1, at::get_num_threads());
+}
+
 // The entry point the other kernels of the extension call (declared in each of them).
 void parallel_run(int64_t n, int threads, ItemFn fn, void* context) {
   if (n <= 0) return;
@@ -340,7 +350,7 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
   // one item's worth of weights is microseconds of work: below a few items a second thread
   // costs more to hand the work to than it saves
-  const int threads = items >= 4 ? std::max(1, at::get_num_threads()) : 1;
+  const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
   pybind11::gil_scoped_release no_gil;
   if (w.scalar_type() == torch::kFloat32) {
     const float* wp = w.data_ptr<float>();
@@ -366,9 +376,14 @@ pybind11::dict pool_stats() {
   return d;
 }
 
+void set_pool_threads(int64_t threads) { moebench_cpu::g_pool_threads.store(static_cast<int>(std::max<int64_t>(0, threads))); }
+
 }  // namespace
 
 void register_dense(pybind11::module& m) {
+  m.def("set_pool_threads", &set_pool_threads,
+        "Threads of the step's parallel sections (0: torch's thread count), see cpu_dense.decode_threads");
+  m.def("pool_threads", &moebench_cpu::step_threads, "Threads the step's parallel sections use now");
   m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers");

@@ -39,6 +39,7 @@
 // threads, the caller included, which waits only for items other threads claimed.
 namespace moebench_cpu {
 void parallel_run(int64_t n, int threads, void (*fn)(void*, int64_t), void* context);
+int step_threads();  // the pool's thread count for this step
 }
 
 namespace {
@@ -369,7 +370,7 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
               "fused_moe_cpu: topk_weights and topk_ids must both be [N, k]");
   auto out = torch::empty({N, H}, x.options());
   if (N == 0) return out;
-  const int threads = std::max(1, at::get_num_threads());
+  const int threads = moebench_cpu::step_threads();
   {
     // Release the GIL: a prefetch thread may load the next layer's experts meanwhile.
     pybind11::gil_scoped_release no_gil;
