@@ -1,0 +1,130 @@
+"""Where a decode step of the bundled runtime goes: attention, router, experts, LM head, the rest of
+the forward, and what happens outside it (batch building, argmax, bookkeeping), per step, for each
+thread count and batch. Each part is timed with perf_counter around the model's own methods (the
+fused MoE kernel and the projections are C++ calls torch.profiler does not see inside); the CPU
+time of every thread of the process over the measured run is printed too (a helper thread burning
+CPU while the step waits shows there).
+
+    flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model DIR --threads 1,2 --batch 1,16
+
+DIR: a qwen3_moe checkpoint (e.g. the random 0.89B model bench-engine writes:
+moebench.random_models.make_random_qwen3_moe(DIR, moebench.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+from moebench.engine import model as model_module
+from moebench.engine import moe as moe_module
+
+parts = defaultdict(float)
+timing = [False]  # only decode forwards are timed
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        if not timing[0]:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        parts[name] += time.perf_counter() - start
+        return result
+    return wrapper
+
+
+def instrument(vocab_size: int) -> None:
+    transformer = model_module.MoeTransformer
+    transformer.attention = timed("attention (qkv, attention, output projection)", transformer.attention)
+    transformer.route = timed("router (projection, softmax, top-k)", transformer.route)
+    moe_module.FusedMoe.compute = timed("experts (fused MoE kernel)", moe_module.FusedMoe.compute)
+    plain_linear = model_module.linear
+
+    def linear(x, w, bias=None):  # the LM head is the projection with a row per vocabulary entry
+        if timing[0] and w.shape[0] == vocab_size:
+            start = time.perf_counter()
+            result = plain_linear(x, w, bias)
+            parts["LM head"] += time.perf_counter() - start
+            return result
+        return plain_linear(x, w, bias)
+
+    model_module.linear = linear
+    forward = transformer.forward
+
+    def timed_forward(self, batch, kv, all_positions=False):
+        timing[0] = batch.max_q == 1
+        start = time.perf_counter()
+        result = forward(self, batch, kv, all_positions)
+        if timing[0]:
+            parts["forward"] += time.perf_counter() - start
+        timing[0] = False
+        return result
+
+    transformer.forward = timed_forward
+
+
+def thread_cpu_ms() -> dict[str, int]:
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
+        fields = open(path).read().rsplit(")", 1)[1].split()
+        out[path.split("/")[4]] = (int(fields[11]) + int(fields[12])) * 1000 // ticks
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--batch", default="1,16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    ckpt = load_checkpoint(args.model)
+    instrument(ckpt.config.vocab_size)
+    batches = [int(b) for b in args.batch.split(",")]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), args.prompt_len), generator=g).tolist()
+    results = {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        for b in batches:
+            torch.set_num_threads(threads)
+            engine = Engine(ckpt, None, RuntimeConfig(kernel="fused", scheduler="static", batch_size=b,
+                                                      max_new_tokens=args.new_tokens))
+            engine.generate([Request(f"w{i}", "", 4) for i in range(b)], prompt_ids=prompts[:b])  # warm-up
+            parts.clear()
+            cpu_before, wall_before = thread_cpu_ms(), time.perf_counter()
+            result = engine.generate([Request(f"r{i}", "", args.new_tokens) for i in range(b)], prompt_ids=prompts[:b])
+            wall_ms = (time.perf_counter() - wall_before) * 1000
+            cpu_after = thread_cpu_ms()
+            decode = [s for s in result.steps if s["phase"] == "decode"]
+            step_ms = sum(s["duration_s"] for s in decode) / len(decode) * 1000
+            per_step = {name: seconds / len(decode) * 1000 for name, seconds in parts.items()}
+            forward_ms = per_step.pop("forward")
+            per_step["other forward work (norms, embedding, residual adds, expert store)"] = forward_ms - sum(per_step.values())
+            per_step["outside the forward (batch building, argmax, bookkeeping)"] = step_ms - forward_ms
+            busy = {tid: cpu_after[tid] - cpu_before.get(tid, 0) for tid in cpu_after
+                    if cpu_after[tid] - cpu_before.get(tid, 0) > 0}
+            print(f"threads={threads} batch={b}: step {step_ms:.1f} ms, {b * 1000 / step_ms:.1f} tok/s, "
+                  f"{decode[0]['bytes_read'] / 1e6:.0f} MB per step; thread CPU ms over the run "
+                  f"({wall_ms:.0f} ms wall): {busy}")
+            for name, ms in per_step.items():
+                print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%})")
+            results[f"threads={threads} batch={b}"] = {"step_ms": step_ms, "parts_ms": per_step,
+                                                       "bytes_per_step": decode[0]["bytes_read"]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
