@@ -343,3 +343,50 @@ def test_gguf_export_refuses_the_family_in_one_line(tmp_path):
     path = make_tiny_bailing(tmp_path / "gguf", "g2_ngroup2_topk1")
     with pytest.raises(MoebenchError, match="model_type 'bailing_hybrid'.*does not support"):
         export_gguf(path, tmp_path / "out.gguf")
+
+
+def _benchmark(name: str):
+    """A script of benchmarks/ (outside the package) as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_joins_per_request_transformers_caches_into_the_batched_generate(tiny):
+    """bench_bailing's way to compare at long prompts: transformers prefills each prompt alone, the
+    caches are joined into one left-padded batch cache, generate() decodes from it. Its tokens must be
+    those of one batched generate() with the prompts left-padded, and the engine's greedy ones."""
+    from transformers import AutoModelForCausalLM
+
+    bench = _benchmark("bench_bailing")
+    path, _, ids_list, _, greedy = tiny
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    L = max(map(len, ids_list))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in ids_list])
+    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in ids_list])[:, None]).long()
+    with torch.no_grad():
+        batched = ref.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[:, L:].tolist()
+    for mode in ("recurrent", "chunk"):
+        joined = bench.hf_join(ref, bench.hf_prefill_each(ref, ids_list, None, "", mode), ids_list)
+        _, outputs, gaps = bench.hf_decode(ref, joined, 12, 0)
+        assert outputs == batched, mode
+        assert outputs == [g[:12] for g in greedy]
+        assert len(gaps) == 11 and all(g >= 0 for step in gaps for g in step)
+
+
+def test_memory_benchmark_sees_a_constant_kda_state_and_growing_latents(tmp_path):
+    """bailing_memory's per-request accounting on a tiny checkpoint: the KDA state does not grow with
+    the sequence, the MLA latents grow by whole KV blocks."""
+    memory = _benchmark("bailing_memory")
+    path = make_tiny_bailing(tmp_path / "mem", "g2_ngroup2_topk1")
+    short, long = (memory.measure_one(path, n, 4, "naive", 1) for n in (24, 96))
+    assert short["kda_bytes"] == long["kda_bytes"] > 0
+    per_token = short["mla_bytes_per_token"]
+    assert per_token == 2 * (12 + 8) * 4  # 2 MLA layers x (kv_lora_rank + rope dims) x float32
+    assert long["mla_bytes"] > short["mla_bytes"] and long["mla_bytes"] % (16 * per_token) == 0
