@@ -1,4 +1,4 @@
-"""CPU fused MoE: a C++ extension (AVX2/FMA + OpenMP), with a grouped-torch fallback.
+"""CPU fused MoE: a C++ extension (AVX2/FMA, split over the kernels' own thread pool), with a grouped-torch fallback.
 
 At decode time a CPU MoE layer is a memory-bandwidth problem: each routed expert's weights
 (3 * H * I values) are read once per step and meet only a few tokens. torch's skinny matmuls
@@ -47,7 +47,7 @@ EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attenti
                       tuple(CFLAGS), ("-fopenmp",),
                       estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load")
 
-BACKEND_CPP = "cpp-avx2-openmp"
+BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"
 BACKEND_LOOP = "torch-per-expert-loop"  # inside BACKEND_TORCH, where torch._grouped_mm is unavailable
 
@@ -68,7 +68,7 @@ def load_extension():
 
 
 def cpu_backend() -> str:
-    """Which CPU fused-MoE implementation runs: 'cpp-avx2-openmp' or 'torch-grouped'.
+    """Which CPU fused-MoE implementation runs: 'cpp-avx2-pool' or 'torch-grouped'.
     Builds the extension if that has not been tried yet."""
     return BACKEND_CPP if load_extension() is not None else BACKEND_TORCH
 

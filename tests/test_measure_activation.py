@@ -46,7 +46,7 @@ def test_a_small_ablation_checks_every_switch_and_rotates_the_order(tmp_path):
     assert "4 requests fit one batch of 16" in sched["not_exercised"][0]
     # the kernel's evidence names the implementation that computed every call
     kernel = next(r for r in rows if r["config"] == "kernel")["evidence"]["kernel"]
-    assert kernel["backends"] == {"cpp-avx2-openmp": kernel["fused_calls"]}
+    assert kernel["backends"] == {"cpp-avx2-pool": kernel["fused_calls"]}
 
 
 def test_a_small_run_whose_fused_kernel_fell_back_fails(tmp_path, monkeypatch):
