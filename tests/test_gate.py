@@ -184,7 +184,7 @@ def test_the_repository_policies_restate_no_default(tmp_path):
     ci_table = tomllib.loads((root / ".ci" / "gate.toml").read_text())["gate"]
     assert all(ci_table[k] != getattr(Policy(), k) for k in ci_table if k != "baseline"), ci_table
     ci = load_policy(root / ".ci" / "gate.toml")
-    assert ci.baseline and Path(ci.baseline).resolve() == root / "results" / "baselines" / "bundled-default.json"
+    assert ci.baseline and Path(ci.baseline).resolve() == root / "results" / "baselines" / "bundled-host-tier.json"
 
 
 def test_a_summary_without_its_raw_files_is_refused(summaries, tmp_path):
