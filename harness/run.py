@@ -205,11 +205,14 @@ def run_command(
             _run_bundled(args, run_dir, manifest, configs, threads, base_runtime)
     except BaseException as e:
         started = (run_dir / "manifest.json").exists()
-        if claimed and not started:
-            try:
-                run_dir.rmdir()  # nothing was measured: leave no empty folder behind
-            except OSError:
-                pass
+        trials = run_dir / "trials.jsonl"
+        measured = trials.exists() and trials.stat().st_size > 0
+        if claimed and not measured and (not started or isinstance(e, (MoebenchError, KeyboardInterrupt))):
+            # refused (a budget the store cannot hold, say) or stopped before any trial: nothing to
+            # keep or resume, so no folder holding only a manifest is left behind
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
         if isinstance(e, OSError) and started:  # e.g. the disk filled up: what is kept, how to go on
             raise MoebenchError(f"{describe_os_error(e)}; {kept_trials_note(run_dir, _total_trials(run_dir))}; "
                                 f"then continue with: moebench run --resume {shlex.quote(str(run_dir))}") from None

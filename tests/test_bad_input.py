@@ -137,3 +137,16 @@ def test_run_writes_valid_results(capsys, monkeypatch, good_model, data_dir, tmp
     assert runtime["fused_moe_backend"] == fused_backend("cpu")
     assert runtime["decode_attention"] == decode_attention_backend("cpu", torch.float32)
     assert isinstance(runtime["huge_page_bytes"], int)
+
+
+def test_a_budget_refused_when_the_store_is_built_leaves_no_run_folder(capsys, monkeypatch, data_dir, tmp_path):
+    """The disk tier's read buffers come out of the budget, so a budget can pass the early checks
+    and still be refused when the store is built, after the manifest is written: the run folder,
+    which then holds no trial, must not be left behind."""
+    out = tmp_path / "results"
+    code, err = run_cli(capsys, monkeypatch, "run", "--ablate", "--expert-budget", "0.26", "--offload-tier", "disk",
+                        "--limit", "2", "--repeats", "1", "--warmup", "0", "--out", out, "--run-id", "refused")
+    # the progress display had started: the error is its last line
+    assert code == 2 and "Traceback" not in err, err
+    assert "moebench: error: --expert-budget 0.26" in err.splitlines()[-1] and "read buffers" in err
+    assert not (out / "refused").exists()
