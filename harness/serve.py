@@ -22,7 +22,6 @@ at most `--max-queue` requests in the server at once (more get a 429), request b
 
 
 import json
-import queue
 import sys
 import threading
 import time
@@ -157,7 +156,6 @@ class EngineClient:
     def __init__(self, options, tokenizer_path: Path, close_fds: tuple[int, ...] = ()):
         from moebench.serve_core import COUNTERS, start_core
 
-        self.options = options
         self.max_queue = options.max_queue
         self.proc, self.conn = start_core(options, close_fds)
         kind, info = self._first_message()
@@ -237,26 +235,30 @@ class EngineClient:
     # --- messages from the engine
 
     def _read(self) -> None:
-        """The reader thread: hands each message to the event loop, and the pipe's end as a failure."""
+        """The reader thread: hands each message to the event loop. The pipe's end after a clean stop
+        ends it quietly; any other end is a failure (waited for here, not on the event loop)."""
         while True:
             try:
                 message = self.conn.recv()
-            except (EOFError, OSError):
-                message = ("gone", None)
+            except (EOFError, OSError):  # the pipe closed without a word: the process ended
+                self.proc.join(timeout=5)
+                if self.proc.exitcode == 0:
+                    return
+                message = ("failed", f"the engine process died (exit code {self.proc.exitcode})")
             try:
                 self.loop.call_soon_threadsafe(self._on_message, message)
             except RuntimeError:  # the event loop has closed: the server is shutting down
                 return
-            if message[0] in ("failed", "gone"):
+            if message[0] == "failed":
                 return
 
     def _on_message(self, message) -> None:
         kind = message[0]
         if kind == "step":
             self._on_step(message[1])
-            self.counters.update(zip(self.counters, message[2]))
+            self.counters = message[2]
         elif kind == "aborted":
-            self.counters.update(zip(self.counters, message[2]))
+            self.counters = message[2]
             for key in message[1]:
                 h = self._live.pop(key, None)
                 if h is not None:
@@ -268,8 +270,8 @@ class EngineClient:
                 future.set_result(message[2])
         elif kind == "ready":
             self.ready.set()
-        elif kind in ("failed", "gone"):
-            self._engine_gone(message[1])
+        elif kind == "failed":
+            self._engine_failed(message[1])
 
     def _on_step(self, outputs) -> None:
         for key, new_ids, made, when, finish_reason, final_text, prompt_tokens in outputs:
@@ -290,14 +292,9 @@ class EngineClient:
                 if piece:
                     h.sink.put_nowait(Event(h.index, piece, made, when))
 
-    def _engine_gone(self, message: str | None) -> None:
+    def _engine_failed(self, message: str) -> None:
         if self.failed is not None:
             return
-        if message is None:  # the pipe closed without a word: the process died
-            self.proc.join(timeout=5)
-            if self._stopping_cleanly():
-                return
-            message = f"the engine process died (exit code {self.proc.exitcode})"
         self.failed = message
         self.ready.set()
         for h in self._live.values():
@@ -310,9 +307,6 @@ class EngineClient:
         self._calls.clear()
         if self.on_failure is not None:
             self.on_failure()
-
-    def _stopping_cleanly(self) -> bool:
-        return self.proc.exitcode == 0
 
 
 # ----------------------------------------------------------------------------- request parsing

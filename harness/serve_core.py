@@ -36,7 +36,7 @@ COUNTERS = ("steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s",
 
 @dataclass(frozen=True)
 class CoreOptions:
-    """Everything the engine process needs to build the engine (picklable)."""
+    """Everything the engine process needs to build the engine."""
 
     model_path: str
     runtime: object  # moebench.engine.RuntimeConfig
@@ -134,7 +134,7 @@ class EngineCore:
                     self.counters["aborted"] += 1
                     gone.append(key)
             if gone:
-                self.conn.send(("aborted", gone, tuple(self.counters[k] for k in COUNTERS)))
+                self.conn.send(("aborted", gone, dict(self.counters)))
         elif kind == "evidence":
             self.conn.send(("reply", message[1], self.evidence()))
         return True
@@ -169,7 +169,7 @@ class EngineCore:
                 self.live[key] = (made, seq)
                 out.append((key, ids[sent:], made, seq.token_times[-1], None, None, 0))
         if out:
-            self.conn.send(("step", out, tuple(c[k] for k in COUNTERS)))
+            self.conn.send(("step", out, dict(c)))
 
     def evidence(self) -> dict:
         from moebench.kernels import fused_backend
