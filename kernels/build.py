@@ -81,14 +81,15 @@ class Extension:
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
     estimate: str = ""
+    headers: tuple[Path, ...] = ()  # included by the sources: part of what the library depends on
 
     def name(self, env: dict[str, str] | None = None) -> str:
-        """`base` plus a digest of the sources, the flags and the environment."""
+        """`base` plus a digest of the sources and headers, the flags and the environment."""
         digest = hashlib.sha256(
             json.dumps({"cflags": self.cflags, "ldflags": self.ldflags, "environment": env or environment()},
                        sort_keys=True).encode()
         )
-        for source in self.sources:
+        for source in (*self.sources, *self.headers):
             digest.update(b"\0" + source.name.encode() + b"\0")  # object files are named after sources
             digest.update(source.read_bytes())
         return f"{self.base}_{digest.hexdigest()[:16]}"
@@ -290,7 +291,7 @@ def _compile(ext: Extension, name: str, env: dict[str, str], folder: Path, libra
         os.replace(staging / f"{name}.so", library)
         _write_atomically(_stamp_path(library), json.dumps({
             "schema": STAMP_SCHEMA, "name": name, "environment": env,
-            "sources": {str(s): _file_sha256(s) for s in ext.sources},
+            "sources": {str(s): _file_sha256(s) for s in (*ext.sources, *ext.headers)},
             "cflags": list(ext.cflags), "ldflags": list(ext.ldflags),
             "library_sha256": _file_sha256(library), "build_seconds": round(time.monotonic() - started, 1),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -45,7 +45,8 @@ CSRC_DENSE = CSRC.with_name("dense_cpu.cpp")  # the step's thread pool and dense
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attention", (CSRC, CSRC_ATTENTION, CSRC_DENSE),
                       tuple(CFLAGS), ("-fopenmp",),
-                      estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load")
+                      estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load",
+                      headers=(CSRC.with_name("cpu_common.h"),))
 
 BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"

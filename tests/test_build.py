@@ -148,6 +148,12 @@ def test_sources_and_flags_change_the_name(tmp_path):
     before = base.name(env)
     source.write_text(TINY_SOURCE + "\n// changed\n")
     assert base.name(env) != before
+    header = tmp_path / "tiny.h"
+    header.write_text("// shared\n")
+    with_header = Extension("moebench_tiny", "tiny", (source,), ("-O0",), headers=(header,))
+    before = with_header.name(env)
+    header.write_text("// shared, changed\n")
+    assert with_header.name(env) != before
 
 
 def test_the_real_extensions_are_keyed_by_environment():

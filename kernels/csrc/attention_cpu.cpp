@@ -24,9 +24,7 @@
 // residual add plus RMSNorm the same way. Those small ops are bit-identical to the torch path's;
 // the attention itself matches SDPA to ~1e-6, not bit for bit (its sums run in another order).
 
-#include <torch/extension.h>
-
-#include <immintrin.h>
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -36,19 +34,9 @@
 #include <mutex>
 #include <vector>
 
-// The step's thread pool (dense_cpu.cpp): fn(context, i) for i in [0, n) on up to `threads` threads.
-namespace moebench_cpu {
-void parallel_run(int64_t n, int threads, void (*fn)(void*, int64_t), void* context);
-int step_threads();  // the pool's thread count for this step
-}
-
 namespace {
 
-template <class F>
-void parallel_for(int64_t n, int threads, F&& f) {
-  moebench_cpu::parallel_run(
-      n, threads, [](void* c, int64_t i) { (*static_cast<std::remove_reference_t<F>*>(c))(i); }, &f);
-}
+using moebench_cpu::parallel_for;
 
 // ---- the attention of one (sequence, kv head) item -------------------------------------
 //

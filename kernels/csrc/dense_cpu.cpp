@@ -22,7 +22,7 @@
 // with more, 4 rows x 3 tokens at a time (12 accumulators, each loaded weight vector feeds 3 FMAs). torch's matmul on these
 // shapes (MKL) reaches a fraction of the read bandwidth and uses the second thread poorly.
 
-#include <torch/extension.h>
+#include "cpu_common.h"
 
 #include <fcntl.h>
 #include <immintrin.h>
@@ -206,7 +206,7 @@ int step_threads() {
   return n > 0 ? n : std::max(1, at::get_num_threads());
 }
 
-// The entry point the other kernels of the extension call (declared in each of them).
+// The entry point the other kernels of the extension call (declared in cpu_common.h).
 void parallel_run(int64_t n, int threads, ItemFn fn, void* context) {
   if (n <= 0) return;
   if (threads <= 1 || n == 1) {
@@ -216,31 +216,14 @@ void parallel_run(int64_t n, int threads, ItemFn fn, void* context) {
   Pool::instance().run(n, threads, fn, context);
 }
 
-template <class F>
-void parallel_for(int64_t n, int threads, F&& f) {
-  parallel_run(n, threads, [](void* c, int64_t i) { (*static_cast<std::remove_reference_t<F>*>(c))(i); }, &f);
-}
-
 }  // namespace moebench_cpu
 
 namespace {
 
+using moebench_cpu::hsum;
+using moebench_cpu::load1;
+using moebench_cpu::load8;
 using moebench_cpu::parallel_for;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // o[r * T + t] = dot(w row r, x row t) over K, R rows and T tokens (R * T + T + 1 ymm registers).
 template <int R, int T, typename W>
