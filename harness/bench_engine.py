@@ -23,7 +23,6 @@ prompts (transformers runs once, batched, before any timing, and is then freed).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics

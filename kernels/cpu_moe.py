@@ -20,8 +20,6 @@ torch (skip the extension).
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
