@@ -220,7 +220,12 @@ class PooledStore(ExpertStore):
     any, taking the layer whose next call is furthest away first (the one that ran most recently),
     never an expert that layer's pending prediction names or one still loading. The kernel gets the
     whole buffer and ids that name its rows, so nothing resident is ever copied. A call can need every
-    expert of its layer, so the rows must hold at least one layer's experts (`slots_for_budget`)."""
+    expert of its layer, so the rows must hold at least one layer's experts (`slots_for_budget`).
+
+    On CPU `NativePooledStore` (`moebench.engine.native_store`) does this bookkeeping in C++; this
+    class is the reference it is tested against, and the store for CUDA and Python-thread loads."""
+
+    store_name = "pooled"
 
     def __init__(self, ckpt, runtime, tier, slots: int, workers: int = 0, parallel_demand: bool = False,
                  dtype: torch.dtype | None = None):
@@ -271,7 +276,8 @@ class PooledStore(ExpertStore):
         # Loads run on native threads that never take the GIL where the tier can describe them
         # (`moebench.kernels.expert_loader`), else on Python threads.
         # native_rows: the tier can describe loads into this buffer's rows; native: workers do them
-        self.native_rows = not self.cuda and tier.prepare_native(dtype)
+        # (prepared already where make_store_and_prefetcher asked whether the native store can run)
+        self.native_rows = not self.cuda and (tier.sync is not None or tier.prepare_native(dtype))
         self.native = bool(workers) and self.native_rows
         self.row_bytes = (self.w13[0].nbytes, self.w2[0].nbytes)
         self._load_error = _NeverRaised
@@ -569,7 +575,7 @@ class PooledStore(ExpertStore):
         t = self.counters.total
         lookups = t["expert_hits"] + t["expert_misses"]
         return {
-            "store": "pooled",
+            "store": self.store_name,
             "expert_budget": self.budget,
             "slots_per_layer": self.slots,
             "expert_dtype": _dtype_name(self.dtype),
@@ -747,7 +753,10 @@ def make_store_and_prefetcher(ckpt, runtime):
         workers = readers if disk else int(runtime.extra.get("host_workers", 1))
         tier = make_tier(tier_name, ckpt, runtime.device, readers)
         tier.substituted = substituted
-        store = PooledStore(ckpt, runtime, tier, slots, workers, parallel_demand=disk, dtype=dtype)
+        from moebench.engine.native_store import pick_store_class
+
+        store_class = pick_store_class(runtime, tier, dtype)  # C++ bookkeeping where it can run
+        store = store_class(ckpt, runtime, tier, slots, workers, parallel_demand=disk, dtype=dtype)
     if runtime.prefetch == "lookahead":
         from moebench.engine.prefetch import LookaheadPrefetcher
 

@@ -32,10 +32,13 @@ from .build import Extension, LazyExtension, build_extension
 COPY, BF16_TO_F32, F16_TO_F32 = 0, 1, 2
 _KINDS = {(torch.bfloat16, torch.float32): BF16_TO_F32, (torch.float16, torch.float32): F16_TO_F32}
 
-CSRC = Path(__file__).resolve().parent / "csrc" / "expert_loader.cpp"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+CSRC = CSRC_DIR / "expert_loader.cpp"
+SOURCES = (CSRC, CSRC_DIR / "expert_store.cpp")  # the loader's module and the native store beside it
+HEADERS = (CSRC_DIR / "expert_loader.h",)
 CFLAGS = ["-O3"]
-EXTENSION = Extension("moebench_expert_loader", "the native expert loader", (CSRC,), tuple(CFLAGS),
-                      estimate="about 1 min 30 s on a 2-core machine, up to 40 s more under load")
+EXTENSION = Extension("moebench_expert_loader", "the native expert loader and store", SOURCES, tuple(CFLAGS),
+                      estimate="about 1 min 30 s on a 2-core machine, up to 40 s more under load", headers=HEADERS)
 
 
 def _build():
@@ -48,7 +51,7 @@ _extension = LazyExtension("the native expert loader", "MOEBENCH_EXPERT_LOADER",
 
 
 def load_extension():
-    """The compiled module (Loader, Ticket, LoadError, guess_experts), building it on first call;
+    """The compiled module (Loader, Ticket, LoadError, Store, guess_experts), building it on first call;
     None if unavailable."""
     return _extension.get()
 
