@@ -256,6 +256,19 @@ class Store {
     add(kBytes, static_cast<int64_t>(loads.size()) * expert_bytes_);
   }
 
+  // Wait until every load in flight has ended (the GIL released), leaving the bookkeeping as it is:
+  // tests use it to take the timing out of which loads a later call finds done.
+  void settle() {
+    for (Pool& p : pools_)
+      for (int e : p.loading_order) {
+        Load& load = *p.loading[e];
+        if (load.state.load(std::memory_order_acquire) < kDone) {
+          py::gil_scoped_release no_gil;
+          prefetch_->wait(load);
+        }
+      }
+  }
+
   py::dict take_step() {
     py::dict out = counters(step_, step_stall_, kStepKeys);
     reset_step();
@@ -507,6 +520,7 @@ void register_store(py::module_& m) {
       .def("fetch", &Store::fetch, py::arg("layer"), py::arg("topk_ids"),
            "The rows holding topk_ids' experts (same shape, int64), loading the missing ones.")
       .def("prefetch", &Store::prefetch, py::arg("layer"), py::arg("experts"))
+      .def("settle", &Store::settle, "Wait until every load in flight has ended (bookkeeping unchanged).")
       .def("take_step", &Store::take_step)
       .def("totals", &Store::totals)
       .def("table", &Store::table)
