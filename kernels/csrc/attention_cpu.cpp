@@ -411,6 +411,54 @@ SumFn calibrated_sum(int64_t D, bool square) {
   return result;
 }
 
+// The torch-order sum that reproduces torch's x.sum(-1) over the rows of an [N, k] float32 tensor,
+// or nullptr when no candidate does. A reduction's order can depend on the tensor's shape, not only
+// the row length, so it is calibrated per (k, N), on descending positive rows of widely ranging
+// values (the top-k weights it sums), and on N rows at once as route_topk gets them.
+SumFn calibrated_row_sum(int64_t k, int64_t N) {
+  static std::mutex mutex;
+  static std::map<std::pair<int64_t, int64_t>, SumFn> chosen;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = chosen.find({k, N});
+  if (it != chosen.end()) return it->second;
+  const int64_t rounds = std::max<int64_t>(1, 256 / N);
+  auto x = torch::empty({rounds, N, k}, torch::kFloat32);
+  float* xp = x.data_ptr<float>();
+  uint64_t state = 0xD1B54A32D192ED03ull ^ static_cast<uint64_t>(k * 1000 + N);
+  for (int64_t r = 0; r < rounds * N; ++r) {
+    float previous = 1.0f;
+    for (int64_t j = 0; j < k; ++j) {  // descending, each a random fraction of the one before
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      const float u = static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f;
+      previous = previous * (0.05f + 0.95f * u);
+      xp[r * k + j] = previous;
+    }
+  }
+  const SumFn candidates[] = {&sum_torch_order<8, false>, &sum_torch_order<16, false>, &sum_torch_order<4, false>};
+  SumFn result = nullptr;
+  for (SumFn candidate : candidates) {
+    bool same = true;
+    for (int64_t r = 0; r < rounds && same; ++r) {
+      // the sum of N rows at once, as route_topk's caller would take it
+      auto expect = x[r].sum({-1}, /*keepdim=*/true).contiguous();
+      const float* ep = expect.data_ptr<float>();
+      for (int64_t n = 0; n < N && same; ++n) {
+        const float mine = candidate(xp + (r * N + n) * k, k);
+        same = std::memcmp(&mine, ep + n, sizeof(float)) == 0;
+      }
+    }
+    if (same) {
+      result = candidate;
+      break;
+    }
+  }
+  chosen[{k, N}] = result;
+  return result;
+}
+
+// Whether route_topk renormalizes N rows of k weights exactly as torch's weights / weights.sum(-1).
+bool topk_sum_matches_torch(int64_t k, int64_t N) { return k <= 2 || calibrated_row_sum(k, N) != nullptr; }
+
 // Lanes of the torch-order sum of squares for rows of length D (0: torch's mean is called instead).
 int64_t rms_sum_width(int64_t D) {
   const SumFn sum = calibrated_sum(D, true);
@@ -601,12 +649,15 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
 // Softmax router's top-k on probabilities [N, E] float32: the k largest per row, descending,
 // equal values ordered by the lower expert index (a stable descending sort's first k), NaN
 // above every number as torch sorts it. With `renormalize`, each weight is divided by the sum
-// of the row's k weights, which for k <= 2 is a single rounded addition (any order gives it).
+// of the row's k weights: for k <= 2 a single rounded addition (any order gives it), beyond in the
+// order torch's sum takes for this shape (calibrated_row_sum; see topk_sum_matches_torch).
 std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renormalize) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32, "route_topk: probs must be float32 [N, E]");
   const int64_t N = probs.size(0), E = probs.size(1);
   TORCH_CHECK(k >= 1 && k <= E, "route_topk: top_k=", k, " with ", E, " experts");
-  TORCH_CHECK(!renormalize || k <= 2, "route_topk: renormalizing more than 2 weights is left to torch");
+  const SumFn torch_sum = renormalize && k > 2 ? calibrated_row_sum(k, N) : nullptr;
+  TORCH_CHECK(!renormalize || k <= 2 || torch_sum != nullptr,
+              "route_topk: no summation order reproduces torch's for ", N, " rows of ", k, " weights");
   auto p = probs.contiguous();
   auto weights = torch::empty({N, k}, p.options());
   auto ids = torch::empty({N, k}, p.options().dtype(torch::kInt64));
@@ -637,7 +688,7 @@ std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renor
       id[j] = e;
     }
     if (renormalize) {
-      const float sum = k == 1 ? w[0] : w[0] + w[1];
+      const float sum = torch_sum != nullptr ? torch_sum(w, k) : k == 1 ? w[0] : w[0] + w[1];
       for (int64_t j = 0; j < k; ++j) w[j] = w[j] / sum;
     }
   }
@@ -692,4 +743,6 @@ void register_attention(pybind11::module& m) {
   m.def("rms_sum_width", &rms_sum_width, "Lanes of the torch-order RMSNorm sum for rows of length D (0: torch's mean)");
   m.def("routing_step_summary", &routing_step_summary, "A step's routing counts, load update and summary");
   m.def("route_topk", &route_topk, "Top-k of router probabilities, ties to the lower index (float32)");
+  m.def("topk_sum_matches_torch", &topk_sum_matches_torch,
+        "Whether route_topk renormalizes N rows of k weights as torch's sum does");
 }
