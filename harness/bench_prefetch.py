@@ -8,7 +8,8 @@ Measures decode time per token, at each batch size and on the same prompts, for:
   <tier>/off            budget < 1, misses loaded on demand, one at a time    -> T_off
   <tier>/lookahead      budget < 1, next layer's experts predicted and loaded
                         in the background                                      -> T_lookahead
-for the host and disk tiers, trials interleaved (every batch size and config once, then again) so
+for the host and disk tiers (with `--store both`, each tier once per expert store: `host:python`,
+`host:native`, ...), trials interleaved (every batch size and config once, then again) so
 drift on a shared machine hits each alike. The hidden share is
     (T_off - T_lookahead) / (T_off - T_resident)
 per tier, computed within each repeat (paired) and reported as the median over repeats; speedups
@@ -54,13 +55,23 @@ def random_checkpoint(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def _configs(budget, tiers):
+STORES = ("auto", "native", "python", "both")
+
+
+def _tier_labels(tiers: list[str], store: str) -> list[str]:
+    """One label per measured tier: the tier itself, or `tier:store` per store with --store both."""
+    return [f"{t}:{s}" for t in tiers for s in ("python", "native")] if store == "both" else list(tiers)
+
+
+def _configs(budget, labels):
     yield "resident", dict(expert_budget=1.0, prefetch="off")
     # With every expert resident the prefetcher must cost (almost) nothing: measured, not assumed.
     yield "resident/lookahead", dict(expert_budget=1.0, prefetch="lookahead")
-    for tier in tiers:
+    for label in labels:
+        tier, _, store = label.partition(":")
         for prefetch in ("off", "lookahead"):
-            yield f"{tier}/{prefetch}", dict(expert_budget=budget, offload_tier=tier, prefetch=prefetch)
+            yield f"{label}/{prefetch}", dict(expert_budget=budget, offload_tier=tier, prefetch=prefetch,
+                                              **({"store": store} if store else {}))
 
 
 def _run(engine_cls, ckpt, prompts, runtime):
@@ -130,7 +141,7 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
     """Print one batch size's table and ratios; return them for --json."""
     out = {"configs": {}, "tiers": {}}
     print(f"\nbatch {batch}: median decode time per token")
-    print(f"{'config':19s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
+    print(f"{'config':23s} {'ms/token':>9s} {'tok/s':>7s} {'hit rate':>8s} {'prefetch':>9s} "
           f"{'pf prec':>7s} {'pred P':>6s} {'pred R':>6s} {'decode hit':>10s} {'stall ms/tok':>12s} {'loaded MB':>9s} "
           f"{'cores':>5s} {'expert MB':>9s} {'of res.':>7s}")
     for name in names:
@@ -138,7 +149,8 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
         ev = evidence[name]
         row = {"ms_per_token": t * 1e3, "tokens_per_s": 1 / t,
                "ms_per_token_trials": [x * 1e3 for x in times[name]],
-               **{k: ev.get(k) for k in ("hit_rate", "prefetch_issued", "prefetch_hits", "prefetch_precision",
+               **{k: ev.get(k) for k in ("store", "hit_rate", "prefetch_issued", "prefetch_hits",
+                                         "prefetch_precision",
                                          "prediction_precision", "prediction_recall", "stall_s", "read_mode",
                                          "decode_hit_rate", "decode_bytes_loaded", "bytes_loaded")},
                "expert_memory_bytes": ev.get("expert_memory_bytes"),
@@ -147,7 +159,7 @@ def _summarise(batch: int, names: list[str], tiers: list[str], times: dict, stal
                "decode_stall_ms_per_token": statistics.median(stalls[name]),
                "cores_used": statistics.median(cores[name])}
         out["configs"][name] = row
-        print(f"{name:19s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
+        print(f"{name:23s} {t * 1e3:9.2f} {1 / t:7.1f} {_fmt(ev.get('hit_rate'), '8.1%')} "
               f"{_fmt(ev.get('prefetch_hits'), '4d')}/{_fmt(ev.get('prefetch_issued'), '<4d')} "
               f"{_fmt(ev.get('prefetch_precision'), '7.1%')} {_fmt(ev.get('prediction_precision'), '6.1%')} "
               f"{_fmt(ev.get('prediction_recall'), '6.1%')} {_fmt(ev.get('decode_hit_rate'), '10.1%')} "
@@ -211,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1 leaves a core to the loader threads; 2 OpenMP threads on a "
                          "busy 2-core machine stall on each other)")
+    ap.add_argument("--store", choices=STORES, default="auto",
+                    help="the expert store of the offloaded configs: auto (native on CPU where it can run), native, "
+                         "python (the reference PooledStore), or both (each tier measured with each)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -226,14 +241,19 @@ def main(argv=None) -> int:
                  "disk": load_checkpoint(path, experts_in_checkpoint_dtype=True, load_experts=False)}
         print(f"model {path} ({ckpt.config.num_layers} layers, {ckpt.config.num_experts} experts top-"
               f"{ckpt.config.top_k}, {ckpt.checkpoint_dtype}) loaded in {time.perf_counter() - t0:.1f}s", flush=True)
-        tiers = [t for t in args.tiers.split(",") if t]
+        tiers = _tier_labels([t for t in args.tiers.split(",") if t], args.store)
         names = [name for name, _ in _configs(args.budget, tiers)]
         runs = []  # (batch, name, prompts, runtime): one trial of each per repeat, interleaved
         for b in batches:
             prompts = _prompts(args, b, path, ckpt)
-            base = RuntimeConfig(kernel=args.kernel, batch_size=b, max_new_tokens=args.new_tokens,
-                                 extra={"readers": args.readers, "lookahead_extra": args.lookahead_extra})
-            runs += [(b, name, prompts, replace(base, **kw)) for name, kw in _configs(args.budget, tiers)]
+            extra = {"readers": args.readers, "lookahead_extra": args.lookahead_extra}
+            if args.store != "both":
+                extra["expert_store"] = args.store
+            base = RuntimeConfig(kernel=args.kernel, batch_size=b, max_new_tokens=args.new_tokens, extra=extra)
+            for name, kw in _configs(args.budget, tiers):
+                store = kw.pop("store", None)
+                rt = replace(base, **kw)
+                runs.append((b, name, prompts, replace(rt, extra={**extra, "expert_store": store}) if store else rt))
 
         def ckpt_for(rt):
             return ckpts["resident"] if rt.expert_budget in (1, 1.0) else ckpts[rt.offload_tier]
@@ -260,12 +280,13 @@ def main(argv=None) -> int:
                 stalls[b, name].append(result.decode_stats["stall_ms_per_token"])
                 cores[b, name].append(result.decode_stats["cores_used"])
                 evidence[b, name] = {**result.evidence["prefetch"], **result.decode_stats}
-                print(f"  repeat {rep} batch {b:3d} {name:19s} {per_token * 1e3:8.2f} ms/token", flush=True)
+                print(f"  repeat {rep} batch {b:3d} {name:23s} {per_token * 1e3:8.2f} ms/token", flush=True)
     except MoebenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    report = {"model": str(path), "budget": args.budget, "new_tokens": args.new_tokens, "threads": args.threads,
+    report = {"model": str(path), "budget": args.budget, "store": args.store, "new_tokens": args.new_tokens,
+              "threads": args.threads,
               "kernel": args.kernel, "load_average": os.getloadavg(), "batches": {}}
     print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, {args.repeats} repeats, kernel {args.kernel}, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
