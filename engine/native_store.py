@@ -51,7 +51,8 @@ def native_store_unavailable(runtime, tier, dtype) -> str | None:
     if not hasattr(ext, "Store"):
         return "the native loader's module has no Store (an old build)"
     if not tier.prepare_native(dtype):
-        return f"the {tier.name} tier cannot describe these loads natively (experts not in one read each, or a dtype it cannot convert)"
+        return (f"the {tier.name} tier cannot describe these loads natively (experts not in one read each, or a "
+                "dtype it cannot convert)")
     return None
 
 
@@ -94,7 +95,8 @@ class NativePooledStore(PooledStore):
         super().__init__(ckpt, runtime, tier, slots, workers, parallel_demand=parallel_demand, dtype=dtype)
         if not self.native_rows:
             self.close()
-            raise MoebenchError(f"the native expert store needs native loads: the {tier.name} tier cannot describe them")
+            raise MoebenchError(f"the native expert store needs native loads: the {tier.name} tier cannot "
+                                "describe them")
         from moebench.kernels.expert_loader import load_extension
 
         ext = load_extension()
@@ -122,7 +124,8 @@ class NativePooledStore(PooledStore):
             elif _W2_MARK <= dst < _W2_MARK + n2:
                 parts.append((src, 1, dst - _W2_MARK, nbytes, kind))
             else:
-                raise MoebenchError(f"{self.tier.name} tier: a load of layer {layer} expert {expert} writes outside its row")
+                raise MoebenchError(f"{self.tier.name} tier: a load of layer {layer} expert {expert} writes "
+                                    "outside its row")
         return fd, offset, length, needed, fadvise, label, parts
 
     def fetch(self, layer, topk_ids):

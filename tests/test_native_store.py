@@ -157,7 +157,8 @@ def test_random_traces_with_loads_held_in_the_queue_match_the_reference(ckpt, ti
         layer = 0
         for _ in range(100):
             if rng.random() < 0.8:
-                prefetch_both(ref, nat, (layer + 1) % LAYERS, list(dict.fromkeys(rng.sample(range(E), rng.randint(1, 8)))))
+                guess = rng.sample(range(E), rng.randint(1, 8))
+                prefetch_both(ref, nat, (layer + 1) % LAYERS, guess)
             queued = set(ref.pools[layer].loading)
             free = [e for e in range(E) if e not in queued]
             kind = rng.choices(["batch1", "batch16", "prefill"], weights=[6, 3, 1])[0]
@@ -170,7 +171,7 @@ def test_random_traces_with_loads_held_in_the_queue_match_the_reference(ckpt, ti
             layer = (layer + 1) % LAYERS
         ev_ref, ev_nat = ref.evidence(), nat.evidence()
         assert without_timing(ev_ref) == without_timing(ev_nat)
-        assert ev_nat["prefetch_cancelled"] > 0 and ev_nat["prefetch_no_room"] >= 0
+        assert ev_nat["prefetch_cancelled"] > 0
     finally:
         ref.close()
         nat.close()
@@ -202,7 +203,8 @@ def generate(ckpt, **runtime):
 def test_native_store_outputs_identical_to_resident(ckpt, tier, prefetch, kernel):
     resident = [c.output_ids for c in generate(ckpt, kernel=kernel).completions]
     # tight: 6 of 16 rows per layer (8 on disk, whose read buffers take rows), so prefills borrow
-    result = generate(ckpt, expert_budget=0.4 if tier == "host" else 0.5, offload_tier=tier, prefetch=prefetch, kernel=kernel)
+    result = generate(ckpt, expert_budget=0.4 if tier == "host" else 0.5, offload_tier=tier, prefetch=prefetch,
+                      kernel=kernel)
     assert [c.output_ids for c in result.completions] == resident
     assert result.activation_errors == []
     ev = result.evidence["prefetch"]
