@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -385,7 +384,7 @@ def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: i
 def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 3200,
           batch_size: int = 16, lr: float = 3e-3, eval_every: int = 300, eval_items: int = 100,
           final_eval: bool = True, threads: int = 1, save_checkpoints: bool = False, log=print):
-    from moebench.suites.synth import generate_split, format_training_text, load_synth_items
+    from moebench.suites.synth import generate_split, format_training_text
 
     # one thread: on a shared 2-core machine, 2 OpenMP threads ran up to 8x slower
     torch.set_num_threads(threads)

@@ -1,7 +1,6 @@
 """The budgeted expert store: offloading is exact, eviction never drops an expert in use, the
 metrics add up, and bad budgets are refused with a clear message."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from moebench.engine.expert_store import (
 )
 from moebench.engine.offload import DiskTier, ExpertTier, HostTier
 from moebench.errors import MoebenchError
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, sharded_copy
 
 E, K, LAYERS = 16, 2, 3
 
@@ -296,20 +295,7 @@ def test_fused_kernel_gets_bfloat16_experts_and_the_same_outputs(ckpt, monkeypat
 def test_disk_tier_on_a_sharded_checkpoint(ckpt, tmp_path, resident):
     """Gate and down projections in one shard, up projections in another: each tensor lands in its
     own part of the slot, whatever file holds it."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(ckpt.path / "model.safetensors"))
-    shards = {"a.safetensors": {}, "b.safetensors": {}}
-    for name, t in tensors.items():
-        shards["b.safetensors" if "up_proj" in name else "a.safetensors"][name] = t
-    for fname, part in shards.items():
-        save_file(part, str(tmp_path / fname), metadata={"format": "pt"})
-    weight_map = {n: f for f, part in shards.items() for n in part}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (tmp_path / "config.json").write_text((ckpt.path / "config.json").read_text())
-    sharded = load_checkpoint(tmp_path)
+    sharded = sharded_copy(ckpt, tmp_path)
     result = generate(sharded, expert_budget=0.5, offload_tier="disk", prefetch="lookahead")
     assert [c.output_ids for c in result.completions] == resident
 

@@ -18,7 +18,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.registry import get_filter, get_metric  # noqa: E402
 from lm_eval.utils import apply_template  # noqa: E402
 
-import lm_eval.filters  # noqa: E402,F401  (registers the filters)
+import lm_eval.filters  # noqa: E402,F401,F811  (registers the filters)
 
 TASK_DIR = Path(lm_eval.__file__).parent / "tasks" / "gsm8k"
 

@@ -17,7 +17,7 @@ from moebench.engine.native_store import NativePooledStore
 from moebench.engine.offload import DiskTier, HostTier
 from moebench.errors import MoebenchError
 from moebench.kernels.expert_loader import load_extension
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, sharded_copy
 
 E, K, LAYERS = 16, 2, 3
 TIMING = {"stall_s", "process_rss_peak_bytes", "rss_peak_since_process_start"}
@@ -228,7 +228,7 @@ def test_store_choice(ckpt, monkeypatch, tmp_path):
         make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="host"))
     monkeypatch.delenv("MOEBENCH_EXPERT_STORE")
     # a tier that cannot describe its loads natively: the Python store, loudly; an error where asked for
-    sharded = _sharded_copy(ckpt, tmp_path)
+    sharded = sharded_copy(ckpt, tmp_path)
     with pytest.warns(RuntimeWarning, match="native expert store cannot run"):
         store, _ = make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.5, offload_tier="disk"))
     assert type(store) is PooledStore
@@ -236,24 +236,6 @@ def test_store_choice(ckpt, monkeypatch, tmp_path):
     with pytest.raises(MoebenchError, match="'native' cannot run: the disk tier cannot describe"):
         make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.5, offload_tier="disk",
                                                          extra={"expert_store": "native"}))
-
-
-def _sharded_copy(ckpt, folder):
-    """The checkpoint with its up projections in a second file: an expert is no longer one read."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(ckpt.path / "model.safetensors"))
-    shards = {"a.safetensors": {}, "b.safetensors": {}}
-    for name, t in tensors.items():
-        shards["b.safetensors" if "up_proj" in name else "a.safetensors"][name] = t
-    for fname, part in shards.items():
-        save_file(part, str(folder / fname), metadata={"format": "pt"})
-    weight_map = {n: f for f, part in shards.items() for n in part}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (folder / "config.json").write_text((ckpt.path / "config.json").read_text())
-    return load_checkpoint(folder)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -41,3 +41,24 @@ def make_tiny_checkpoint(directory: Path, name: str = "qwen3_e6_k2_norm", seed: 
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     return directory
+
+
+def sharded_copy(ckpt, folder: Path):
+    """`ckpt` rewritten into `folder` with its up projections in a second file (gate and down in the
+    first): an expert is no longer one contiguous read. Returns the copy, loaded."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moebench.engine import load_checkpoint
+
+    tensors = load_file(str(ckpt.path / "model.safetensors"))
+    shards = {"a.safetensors": {}, "b.safetensors": {}}
+    for name, t in tensors.items():
+        shards["b.safetensors" if "up_proj" in name else "a.safetensors"][name] = t
+    for fname, part in shards.items():
+        save_file(part, str(folder / fname), metadata={"format": "pt"})
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text((ckpt.path / "config.json").read_text())
+    return load_checkpoint(folder)
