@@ -247,10 +247,9 @@ class MoeTransformer:
     def route(self, x, layer_idx: int):
         logits = linear(x, self.ckpt.layers[layer_idx].router)
         cfg = self.cfg
-        # route_softmax_topk's softmax, then its stable top-k and renormalization in one call; the
-        # renormalization sums in the order torch's sum takes for this shape, where one reproduces it
-        if (self.ops is not None and logits.dtype == torch.float32
-                and (not cfg.norm_topk_prob or self.ops.topk_sum_matches_torch(cfg.top_k, logits.shape[0]))):
+        # route_softmax_topk's softmax, then its stable top-k and renormalization in one call (the
+        # renormalization sums in torch's order for this shape, or is torch's own where none reproduces it)
+        if self.ops is not None and logits.dtype == torch.float32:
             return self.ops.route_topk(torch.softmax(logits, dim=-1), cfg.top_k, cfg.norm_topk_prob)
         weights, ids = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
@@ -297,7 +296,7 @@ class MoeTransformer:
         return linear(x, self.ckpt.lm_head).float()
 
 
-STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk", "topk_sum_matches_torch")
+STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")
 
 
 def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dtype) -> list[str]:

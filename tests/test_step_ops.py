@@ -124,20 +124,19 @@ def test_route_topk_is_the_reference_top_k(ops, experts, k, renormalize):
 
 @pytest.mark.parametrize("experts,k", [(128, 8), (64, 6), (60, 4), (32, 3), (256, 16)])
 def test_route_topk_renormalizes_like_torch_beyond_two(ops, experts, k):
-    """Beyond two weights the renormalizing sum has an order: the op sums in torch's, for every batch a
-    decode step can have, on rows whose weights range widely (where orders disagree)."""
+    """Beyond two weights the renormalizing sum has an order: the op sums in torch's (or lets torch
+    divide where no order reproduces it), for every batch a decode step can have, on rows whose
+    weights range widely (where orders disagree)."""
     g = torch.Generator().manual_seed(experts * k)
     checked = 0
     for n in (1, 2, 3, 7, 16, 32, 45):
-        if not ops.topk_sum_matches_torch(k, n):
-            continue  # the model then leaves the renormalization to torch (route())
         for _ in range(20):
             logits = torch.randn(n, experts, generator=g) * torch.rand(n, 1, generator=g) * 12
             probs = torch.softmax(logits, dim=-1)
             expect_w, expect_ids = route_softmax_topk(logits, k, True)
             w, ids = ops.route_topk(probs, k, True)
             assert torch.equal(ids, expect_ids) and torch.equal(w, expect_w), (n, k)
-        checked += 1
+        checked += ops.topk_sum_matches_torch(k, n)
     assert checked >= 4  # the orders torch takes on this machine are reproduced for most batch sizes
 
 

@@ -372,6 +372,18 @@ namespace {
 
 using SumFn = float (*)(const float*, int64_t);
 
+// The first torch-order sum candidate (8, 16, then 4 lanes; of squares with `square`) for which
+// reproduces(candidate) holds, or nullptr when none does.
+template <class Reproduces>
+SumFn first_reproducing(bool square, Reproduces reproduces) {
+  const SumFn candidates[] = {square ? &sum_torch_order<8, true> : &sum_torch_order<8, false>,
+                              square ? &sum_torch_order<16, true> : &sum_torch_order<16, false>,
+                              square ? &sum_torch_order<4, true> : &sum_torch_order<4, false>};
+  for (SumFn candidate : candidates)
+    if (reproduces(candidate)) return candidate;
+  return nullptr;
+}
+
 // The torch-order sum that reproduces torch's mean over rows of length D (of the squares with
 // `square`, as pow(x, 2).mean(-1)), or nullptr when no candidate does. Calibrated once per
 // length on rows of widely ranging values, where different orders disagree.
@@ -392,21 +404,13 @@ SumFn calibrated_sum(int64_t D, bool square) {
   }
   auto expect = (square ? at::pow(x, 2) : x).mean({-1}, /*keepdim=*/true).contiguous();
   const float* ep = expect.data_ptr<float>();
-  const SumFn candidates[] = {square ? &sum_torch_order<8, true> : &sum_torch_order<8, false>,
-                              square ? &sum_torch_order<16, true> : &sum_torch_order<16, false>,
-                              square ? &sum_torch_order<4, true> : &sum_torch_order<4, false>};
-  SumFn result = nullptr;
-  for (SumFn candidate : candidates) {
-    bool same = true;
-    for (int64_t r = 0; r < R && same; ++r) {
+  const SumFn result = first_reproducing(square, [&](SumFn candidate) {
+    for (int64_t r = 0; r < R; ++r) {
       const float mine = candidate(xp + r * D, D) / static_cast<float>(D);
-      same = std::memcmp(&mine, ep + r, sizeof(float)) == 0;
+      if (std::memcmp(&mine, ep + r, sizeof(float)) != 0) return false;
     }
-    if (same) {
-      result = candidate;
-      break;
-    }
-  }
+    return true;
+  });
   chosen[{D, square}] = result;
   return result;
 }
@@ -434,29 +438,25 @@ SumFn calibrated_row_sum(int64_t k, int64_t N) {
       xp[r * k + j] = previous;
     }
   }
-  const SumFn candidates[] = {&sum_torch_order<8, false>, &sum_torch_order<16, false>, &sum_torch_order<4, false>};
-  SumFn result = nullptr;
-  for (SumFn candidate : candidates) {
-    bool same = true;
-    for (int64_t r = 0; r < rounds && same; ++r) {
-      // the sum of N rows at once, as route_topk's caller would take it
-      auto expect = x[r].sum({-1}, /*keepdim=*/true).contiguous();
-      const float* ep = expect.data_ptr<float>();
-      for (int64_t n = 0; n < N && same; ++n) {
-        const float mine = candidate(xp + (r * N + n) * k, k);
-        same = std::memcmp(&mine, ep + n, sizeof(float)) == 0;
-      }
-    }
-    if (same) {
-      result = candidate;
-      break;
-    }
+  // torch's sums of N rows at once, as route_topk's caller would take them, round by round
+  std::vector<float> expect(static_cast<size_t>(rounds * N));
+  for (int64_t r = 0; r < rounds; ++r) {
+    auto sums = x[r].sum({-1}, /*keepdim=*/true).contiguous();
+    std::memcpy(expect.data() + r * N, sums.data_ptr<float>(), sizeof(float) * N);
   }
+  const SumFn result = first_reproducing(false, [&](SumFn candidate) {
+    for (int64_t i = 0; i < rounds * N; ++i) {
+      const float mine = candidate(xp + i * k, k);
+      if (std::memcmp(&mine, &expect[i], sizeof(float)) != 0) return false;
+    }
+    return true;
+  });
   chosen[{k, N}] = result;
   return result;
 }
 
-// Whether route_topk renormalizes N rows of k weights exactly as torch's weights / weights.sum(-1).
+// Whether route_topk renormalizes N rows of k weights in its own loop (else it calls torch's
+// weights / weights.sum(-1) for them): the summation order is reproduced for this shape.
 bool topk_sum_matches_torch(int64_t k, int64_t N) { return k <= 2 || calibrated_row_sum(k, N) != nullptr; }
 
 // Lanes of the torch-order sum of squares for rows of length D (0: torch's mean is called instead).
@@ -650,14 +650,14 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
 // equal values ordered by the lower expert index (a stable descending sort's first k), NaN
 // above every number as torch sorts it. With `renormalize`, each weight is divided by the sum
 // of the row's k weights: for k <= 2 a single rounded addition (any order gives it), beyond in the
-// order torch's sum takes for this shape (calibrated_row_sum; see topk_sum_matches_torch).
+// order torch's sum takes for this shape (calibrated_row_sum), or by torch itself where no order
+// reproduces it.
 std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renormalize) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32, "route_topk: probs must be float32 [N, E]");
   const int64_t N = probs.size(0), E = probs.size(1);
   TORCH_CHECK(k >= 1 && k <= E, "route_topk: top_k=", k, " with ", E, " experts");
   const SumFn torch_sum = renormalize && k > 2 ? calibrated_row_sum(k, N) : nullptr;
-  TORCH_CHECK(!renormalize || k <= 2 || torch_sum != nullptr,
-              "route_topk: no summation order reproduces torch's for ", N, " rows of ", k, " weights");
+  const bool torch_divides = renormalize && k > 2 && torch_sum == nullptr;
   auto p = probs.contiguous();
   auto weights = torch::empty({N, k}, p.options());
   auto ids = torch::empty({N, k}, p.options().dtype(torch::kInt64));
@@ -687,11 +687,12 @@ std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renor
       w[j] = row[e];
       id[j] = e;
     }
-    if (renormalize) {
+    if (renormalize && !torch_divides) {
       const float sum = torch_sum != nullptr ? torch_sum(w, k) : k == 1 ? w[0] : w[0] + w[1];
       for (int64_t j = 0; j < k; ++j) w[j] = w[j] / sum;
     }
   }
+  if (torch_divides) weights = weights / weights.sum({-1}, /*keepdim=*/true);  // the reference's own ops
   return {weights, ids};
 }
 
