@@ -46,15 +46,11 @@ from pathlib import Path
 
 import torch
 
-# name -> (kernel, scheduler, prefetch); every config runs at --expert-budget (lookahead needs one below 1)
-CONFIGS = {
-    "baseline": ("naive", "static", "off"),
-    "kernel": ("fused", "static", "off"),
-    "scheduler": ("naive", "continuous", "off"),
-    "prefetch": ("naive", "static", "lookahead"),
-    "kernel+scheduler": ("fused", "continuous", "off"),
-    "all": ("fused", "continuous", "lookahead"),
-}
+from moebench.ablation import ablation_matrix
+
+# name -> (kernel, scheduler, prefetch): the configs of `moebench run --ablate`; every config runs at
+# --expert-budget (lookahead needs one below 1)
+CONFIGS = {p.name: (p.kernel, p.scheduler, p.prefetch) for p in ablation_matrix()}
 HF = "transformers"
 
 
@@ -148,6 +144,24 @@ def hf_prefill_each(ref, prompt_ids, cache_dir: Path | None, key: str, mode: str
     return out
 
 
+def left_padded(prompt_ids, pad_id: int = 0):
+    """The prompts as one left-padded batch, as generate() takes them: (ids, attention mask)."""
+    L = max(map(len, prompt_ids))
+    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompt_ids])
+    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in prompt_ids])[:, None]).long()
+    return ids, mask
+
+
+def hf_generate_batched(ref, prompt_ids, new_tokens: int, pad_id: int = 0) -> list[list[int]]:
+    """Greedy tokens of one plain batched generate() over the left-padded prompts: what the joined
+    per-request caches must reproduce."""
+    ids, mask = left_padded(prompt_ids, pad_id)
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=pad_id)
+    return out[:, ids.shape[1]:].tolist()
+
+
 def hf_join(ref, prefilled, prompt_ids):
     """One batch cache from per-request caches, plus generate()'s inputs: the prompts left-padded
     with each first token appended, and their attention mask."""
@@ -171,8 +185,7 @@ def hf_join(ref, prefilled, prompt_ids):
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
     firsts = torch.tensor([p[1] for p in prefilled])[:, None]
-    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompt_ids])
-    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in prompt_ids])[:, None]).long()
+    ids, mask = left_padded(prompt_ids)
     ids = torch.cat([ids, firsts], dim=1)
     mask = torch.cat([mask, torch.ones_like(firsts)], dim=1)
     return cache, ids, mask
@@ -240,12 +253,7 @@ def self_check() -> None:
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 97, (n,), generator=g).tolist() for n in (5, 11, 37)]
-    L = max(map(len, prompts))
-    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
-    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in prompts])[:, None]).long()
-    with torch.no_grad():
-        plain = ref.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                             pad_token_id=0)[:, L:].tolist()
+    plain = hf_generate_batched(ref, prompts, 20)
     joined = hf_join(ref, hf_prefill_each(ref, prompts, None, ""), prompts)
     _, ours, _ = hf_decode(ref, joined, 20, 0)
     same = sum(a == b for a, b in zip(plain, ours))

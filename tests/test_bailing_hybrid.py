@@ -366,12 +366,7 @@ def test_bench_joins_per_request_transformers_caches_into_the_batched_generate(t
     bench = _benchmark("bench_bailing")
     path, _, ids_list, _, greedy = tiny
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    L = max(map(len, ids_list))
-    ids = torch.tensor([[0] * (L - len(p)) + p for p in ids_list])
-    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in ids_list])[:, None]).long()
-    with torch.no_grad():
-        batched = ref.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                               pad_token_id=0)[:, L:].tolist()
+    batched = bench.hf_generate_batched(ref, ids_list, 12)
     for mode in ("recurrent", "chunk"):
         joined = bench.hf_join(ref, bench.hf_prefill_each(ref, ids_list, None, "", mode), ids_list)
         _, outputs, gaps = bench.hf_decode(ref, joined, 12, 0)
