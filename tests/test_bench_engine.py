@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import warnings
 
 import pytest
 
 from moebench.bench_engine import decode_rate, first_difference, identical_count
 from moebench.cli import main
-from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 
@@ -95,17 +92,7 @@ def test_against_transformers_writes_the_figures(capsys, monkeypatch, tiny, tmp_
     assert manifest["threads_reason"] == "given"
 
 
-def test_against_llama_cpp_server(capsys, monkeypatch, tiny, tmp_path):
-    from moebench.engines.llamacpp import llama_server_path
-
-    try:
-        llama_server_path()
-    except MoebenchError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"llama-server could not be built in CI: {e}")
-        message = f"BENCH-ENGINE --vs llama.cpp NOT TESTED: llama-server could not be built here: {e}"
-        warnings.warn(message)
-        pytest.skip(message)
+def test_against_llama_cpp_server(capsys, monkeypatch, tiny, tmp_path, llama_server):
     out = tmp_path / "bench.json"
     code, stdout, err = run_cli(capsys, monkeypatch, "bench-engine", "--model", tiny, "--vs", "llama.cpp",
                                 "--batch", "1", "--batch", "2", "--threads", "1", "--new-tokens", "6",

@@ -12,33 +12,17 @@ finally (its whole process group), and the tests check that it exited.
 from __future__ import annotations
 
 import os
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from moebench.errors import MoebenchError
 from moebench.run import bundled_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE_FILE = REPO / "profiles" / "llamacpp-cpu.toml"
 NEW_TOKENS = 128  # the bundled model's answers to these items end with EOS well before this
-
-
-@pytest.fixture(scope="module")
-def llama_server() -> Path:
-    from moebench.engines.llamacpp import llama_server_path
-
-    try:
-        return llama_server_path()
-    except MoebenchError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"llama-server could not be built in CI: {e}")
-        message = f"LLAMA.CPP TESTS NOT RUN: llama-server could not be built here: {e}"
-        warnings.warn(message)
-        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
