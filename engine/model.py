@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
+from moebench.kernels import cpu_dense
 from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.cpu_dense import linear
@@ -183,6 +184,11 @@ class MoeTransformer:
         # a decode step's projections, attention and fused MoE all run on the extension's thread pool,
         # so the engine gives the pool the threads and torch one (kernels/cpu_dense.decode_threads)
         self.decode_on_pool = self.ops is not None
+        # a decode step's attention sub-layer and router each run as one native call where the ops
+        # they chain apply (MOEBENCH_DECODE_CHAINS=0 calls them one by one, for A/B measurements)
+        self.decode_chains = (self.ops is not None and hasattr(self.ops, "route_decode")
+                              and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
+                              and self.fast_decode_attention)
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
@@ -236,6 +242,24 @@ class MoeTransformer:
             out = out[batch.padded_index]
         return linear(out, w.o_proj)
 
+    def attention_sublayer(self, h, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables,
+                           post_norm: torch.Tensor) -> torch.Tensor:
+        """h += attention(x) in place; returns RMSNorm(h) with `post_norm` (the extension's ops). A
+        decode step runs it as one native call, the same kernels in the same order as below."""
+        cfg, w = self.cfg, self.ckpt.layers[layer_idx]
+        if (self.decode_chains and batch.max_q == 1 and kv.k[layer_idx].dtype == torch.float32
+                and cpu_dense.rows_stream(x) and cpu_dense.weight_streams(w.qkv_proj)
+                and cpu_dense.weight_streams(w.o_proj)):
+            self._count_attention("cpp-block")
+            cpu_dense.count_chained(2)
+            return self.ops.decode_attention_sublayer(
+                h, x, w.qkv_proj, w.qkv_bias, w.q_norm if cfg.qk_norm else None, w.k_norm if cfg.qk_norm else None,
+                cfg.rms_norm_eps, self.rope.cos, self.rope.sin, batch.positions, kv.k[layer_idx], kv.v[layer_idx],
+                batch.slot_mapping, batch.context_blocks, batch.context_lens, kv.block_size, self.scale,
+                cfg.sliding_window or 0, cfg.num_heads, w.o_proj, post_norm)
+        return self.ops.add_rms_norm(h, self.attention(x, layer_idx, batch, kv, rope_tables), post_norm,
+                                     cfg.rms_norm_eps)
+
     def _count_attention(self, backend: str) -> None:
         self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1
 
@@ -245,8 +269,11 @@ class MoeTransformer:
         return linear(F.silu(gate) * up, w.dense_w2)
 
     def route(self, x, layer_idx: int):
-        logits = linear(x, self.ckpt.layers[layer_idx].router)
-        cfg = self.cfg
+        cfg, router = self.cfg, self.ckpt.layers[layer_idx].router
+        if self.decode_chains and cpu_dense.rows_stream(x) and cpu_dense.weight_streams(router):
+            cpu_dense.count_chained(1)  # the projection, softmax and top-k below in one native call
+            return self.ops.route_decode(x.contiguous(), router, cfg.top_k, cfg.norm_topk_prob)
+        logits = linear(x, router)
         # route_softmax_topk's softmax, then its stable top-k and renormalization in one call (the
         # renormalization sums in torch's order for this shape, or is torch's own where none reproduces it)
         if self.ops is not None and logits.dtype == torch.float32:
@@ -284,7 +311,7 @@ class MoeTransformer:
         rope_tables = None if decode_block else self.rope.tables(batch.positions, h.dtype, batch.max_position)
         x = add_norm(h, None, layers[0].input_norm, eps)
         for i, w in enumerate(layers):
-            x = add_norm(h, self.attention(x, i, batch, kv, rope_tables), w.post_attention_norm, eps)
+            x = self.attention_sublayer(h, x, i, batch, kv, rope_tables, w.post_attention_norm)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.ckpt.final_norm
             if cfg.is_moe_layer(i):
                 h = self.moe_block(i, x, h)
@@ -297,6 +324,7 @@ class MoeTransformer:
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")
+DECODE_CHAINS_ENV = "MOEBENCH_DECODE_CHAINS"
 
 
 def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dtype) -> list[str]:

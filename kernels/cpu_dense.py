@@ -31,7 +31,7 @@ from torch import Tensor
 from .cpu_moe import load_extension
 
 __all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
-           "DISABLE_ENV"]
+           "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained"]
 
 DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
 # Above this many rows a projection has enough arithmetic per weight for MKL's blocked GEMM
@@ -48,23 +48,29 @@ def dense_kernel_enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "kernel") != "torch" and load_extension() is not None
 
 
+def weight_streams(weight: Tensor) -> bool:
+    """Whether `weight` is one the extension's kernel streams: float32 or bfloat16 [M, K], rows contiguous."""
+    return weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16) and weight.stride(-1) == 1
+
+
+def rows_stream(x: Tensor) -> bool:
+    """Whether `x` is a decode step's few float32 rows on the CPU."""
+    return x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)`; for a decode step's float32 rows on the CPU, the extension's
     streaming kernel on the step's thread pool."""
-    if (
-        x.dim() == 2
-        and x.shape[0] <= DENSE_MAX_ROWS
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and weight.stride(-1) == 1
-        and dense_kernel_enabled()
-    ):
+    if rows_stream(x) and weight_streams(weight) and dense_kernel_enabled():
         _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + 1
         return load_extension().dense_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     return F.linear(x, weight, bias)
+
+
+def count_chained(calls: int) -> None:
+    """`calls` projections ran in the extension's kernel inside a chain of ops (csrc/decode_layer.cpp)."""
+    _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + calls
 
 
 def dense_backends() -> dict[str, int]:

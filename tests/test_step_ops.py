@@ -1,7 +1,8 @@
 """The extension's small decode-step ops (kernels/csrc/attention_cpu.cpp) compute exactly what the
 torch ops they replace compute: each op against its torch counterpart bit for bit, then whole
-forward passes (prefill, decode, mixed steps) with and without them. Routing statistics counted in
-numpy give what the torch counting gave."""
+forward passes (prefill, decode, mixed steps) with and without them, and with their chains
+(kernels/csrc/decode_layer.cpp) against the same ops called one by one. Routing statistics counted
+in numpy give what the torch counting gave."""
 
 import pytest
 import torch
@@ -140,13 +141,33 @@ def test_route_topk_renormalizes_like_torch_beyond_two(ops, experts, k):
     assert checked >= 4  # the orders torch takes on this machine are reproduced for most batch sizes
 
 
-def _forward_logits(ckpt, use_ops: bool, monkeypatch) -> list[torch.Tensor]:
+class _CallCounter:
+    """The extension's ops, counting the calls the model makes to each."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, {}
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return op(*args)
+        return counted
+
+
+def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls: dict | None = None):
     """Logits of a prefill of three prompts, a mixed step (one prompt more) and decode steps."""
     if not use_ops:
         monkeypatch.setattr(model_mod, "cpu_step_ops", lambda: None)
+    monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1" if chains else "0")
     model = MoeTransformer(ckpt, None)
     monkeypatch.undo()
     assert (model.ops is not None) == use_ops
+    assert model.decode_chains == (use_ops and chains)
+    if calls is not None:
+        model.ops = _CallCounter(model.ops)
+        calls_seen = model.ops.calls
     cfg = ckpt.config
     stats = RoutingStats(cfg.num_layers, cfg.num_experts)
     model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(), stats)
@@ -171,6 +192,8 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch) -> list[torch.Tensor]:
     step([0, 1, 2, 3], [seqs[0][-1:], seqs[1][-1:], seqs[2][-1:], seqs[3]])  # mixed
     for _ in range(6):  # decode
         step([0, 1, 2, 3], [seqs[i][-1:] for i in range(4)])
+    if calls is not None:
+        calls.update(calls_seen)
     return out
 
 
@@ -184,6 +207,24 @@ def test_forward_with_step_ops_is_bit_identical(tmp_path, ops, monkeypatch, name
     assert len(with_ops) == len(without)
     for a, b in zip(with_ops, without):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name,extra", [("qwen3_e6_k2_norm", {}), ("qwen3_e7_k4", {}),
+                                        ("mixtral_e5_k2", {"sliding_window": 6})])
+def test_decode_chains_are_the_ops_one_by_one(tmp_path, ops, monkeypatch, name, extra):
+    """The chains compute what the ops they chain compute, called one by one, and they do run: every
+    decode step's attention sub-layer and every router of few rows is one call."""
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, name, **extra))
+    chained_calls, single_calls = {}, {}
+    chained = _forward_logits(ckpt, True, monkeypatch, chains=True, calls=chained_calls)
+    single = _forward_logits(ckpt, True, monkeypatch, chains=False, calls=single_calls)
+    for a, b in zip(chained, single, strict=True):
+        assert torch.equal(a, b)
+    layers, moe_layers = ckpt.config.num_layers, sum(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers)))
+    assert chained_calls["decode_attention_sublayer"] == 6 * layers  # the decode steps'
+    assert chained_calls["route_decode"] == 8 * moe_layers  # every step's: at most 28 rows each
+    assert "decode_attention_sublayer" not in single_calls and "route_decode" not in single_calls
+    assert single_calls["decode_attention_block"] == 6 * layers
 
 
 def _torch_routing_summary(steps, num_layers, num_experts):

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace moebench_cpu {
 
@@ -39,3 +40,14 @@ inline float hsum(__m256 v) {
 }
 
 }  // namespace moebench_cpu
+
+// The decode step's ops that decode_layer.cpp chains into one call each (defined in dense_cpu.cpp
+// and attention_cpu.cpp, where their contracts are written).
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Tensor> q_norm,
+                                     c10::optional<torch::Tensor> k_norm, double eps, torch::Tensor cos,
+                                     torch::Tensor sin, torch::Tensor positions, torch::Tensor k, torch::Tensor v,
+                                     torch::Tensor slots, torch::Tensor blocks, torch::Tensor lens, int64_t block_size,
+                                     double scale, int64_t window, int64_t num_heads);
+torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps);
+std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renormalize);

@@ -309,6 +309,8 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
     }
 }
 
+}  // namespace
+
 // x [N, K] float32 (rows contiguous), w [M, K] float32 or bfloat16 (rows contiguous), bias [M] or
 // None -> [N, M] float32. Items are blocks of 64 output rows, run on the step's thread pool.
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -348,6 +350,8 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   }
   return out;
 }
+
+namespace {
 
 // How much of the last sections' work the pool's workers did (activation evidence for 2+ threads).
 pybind11::dict pool_stats() {

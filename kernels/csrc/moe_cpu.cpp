@@ -367,9 +367,12 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 void register_attention(pybind11::module& m);
 // dense_cpu.cpp: the step's thread pool and dense projections for few tokens
 void register_dense(pybind11::module& m);
+// decode_layer.cpp: chains of the decode step's ops, one call each
+void register_decode_layer(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights)");
   register_attention(m);
   register_dense(m);
+  register_decode_layer(m);
 }
