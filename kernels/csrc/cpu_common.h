@@ -39,6 +39,93 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+
+// ---- decode-time dot products: weight rows read as several streams at once ---------------
+//
+// One core following one sequential stream keeps too few cache misses in flight to reach the
+// bandwidth it can get: reading four streams side by side (four runs of rows, each tens of KB or
+// more) streamed 35-45% faster on one core than one row after another (docs/cpu-decode.md). Rows a
+// few KB long read side by side do not help (each ends before a prefetcher has ramped up), hence
+// runs of consecutive rows.
+//
+// Each row is summed in one fixed order (RowSum) whatever rows it is read beside, so streaming
+// changed no result: kDense as dense_cpu.cpp's single-row tile sums a row (two accumulators,
+// combined before the last 8-wide steps), kMoe as the MoE kernel summed a decode row before (four
+// accumulators for one token, two for more, combined at the end).
+enum class RowSum { kDense, kMoe };
+
+template <RowSum F, int S, int T, typename W>
+inline void dot_streams(const W* const* w, const float* const* x, int64_t K, float* o) {
+  constexpr int U = F == RowSum::kDense ? 2 : (T == 1 ? 4 : 2);
+  __m256 acc[S][U][T];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 3
+      for (int t = 0; t < T; ++t) acc[s][u][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      __m256 xv[T];
+#pragma GCC unroll 3
+      for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x[t] + k + 8 * u);
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        const __m256 wv = load8(w[s] + k + 8 * u);
+#pragma GCC unroll 3
+        for (int t = 0; t < T; ++t) acc[s][u][t] = _mm256_fmadd_ps(wv, xv[t], acc[s][u][t]);
+      }
+    }
+  }
+  if (F == RowSum::kDense)
+    for (int s = 0; s < S; ++s)
+      for (int t = 0; t < T; ++t) acc[s][0][t] = _mm256_add_ps(acc[s][0][t], acc[s][1][t]);
+  for (; k + 8 <= K; k += 8)
+    for (int s = 0; s < S; ++s) {
+      const __m256 wv = load8(w[s] + k);
+      for (int t = 0; t < T; ++t) acc[s][0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k), acc[s][0][t]);
+    }
+  for (int s = 0; s < S; ++s)
+    for (int t = 0; t < T; ++t) {
+      __m256 v = acc[s][0][t];
+      if (F == RowSum::kMoe)
+        for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[s][u][t]);
+      float sum = hsum(v);
+      for (int64_t kk = k; kk < K; ++kk) sum += load1(w[s] + kk) * x[t][kk];
+      o[s * T + t] = sum;
+    }
+}
+
+// o[i * T + t] = dot(row(i), x[t]) for rows i in [0, n) and T (1-3) tokens: the rows are cut into
+// S consecutive runs which are read side by side, the i-th row of every run at once.
+template <RowSum F, int T, typename W, typename Row>
+inline void dot_rows_streamed(Row row, int64_t n, const float* const* x, int64_t K, float* o) {
+  constexpr int S = T == 1 ? 4 : 2;  // S * T * accumulators-per-row within the 16 ymm registers, near enough
+  const int64_t q = n / S;
+  for (int64_t i = 0; i < q; ++i) {
+    const W* w[S];
+    float os[S * T];
+    for (int s = 0; s < S; ++s) w[s] = row(s * q + i);
+    dot_streams<F, S, T>(w, x, K, os);
+    for (int s = 0; s < S; ++s)
+      for (int t = 0; t < T; ++t) o[(s * q + i) * T + t] = os[s * T + t];
+  }
+  for (int64_t i = S * q; i < n; ++i) {
+    const W* w = row(i);
+    dot_streams<F, 1, T>(&w, x, K, o + i * T);
+  }
+}
+
+// The same for n (1-3) tokens chosen at run time.
+template <RowSum F, typename W, typename Row>
+inline void dot_rows_streamed(Row row, int64_t rows, int64_t tokens, const float* const* x, int64_t K, float* o) {
+  if (tokens == 1) dot_rows_streamed<F, 1, W>(row, rows, x, K, o);
+  else if (tokens == 2) dot_rows_streamed<F, 2, W>(row, rows, x, K, o);
+  else dot_rows_streamed<F, 3, W>(row, rows, x, K, o);
+}
+
 }  // namespace moebench_cpu
 
 // The decode step's ops that decode_layer.cpp chains into one call each (defined in dense_cpu.cpp

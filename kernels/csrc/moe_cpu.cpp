@@ -35,10 +35,12 @@
 
 namespace {
 
+using moebench_cpu::dot_rows_streamed;
 using moebench_cpu::hsum;
 using moebench_cpu::load1;
 using moebench_cpu::load8;
 using moebench_cpu::parallel_for;
+using moebench_cpu::RowSum;
 
 // out[r * T + t] = dot(w[r][0:K], x[t][0:K]) for R weight rows and T tokens.
 // R * T accumulators plus T activation registers must fit in the 16 ymm registers.
@@ -85,62 +87,15 @@ inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float*
     }
 }
 
-// One weight row with T tokens (1-3), read front to back: o[t] = dot(w, x[t]). A decode step's
-// expert sees 1-3 tokens; reading its rows one after another keeps memory one sequential stream,
-// which the hardware prefetchers follow, where 8 rows read side by side (8 streams of a few KB,
-// each ending before a prefetcher has ramped up) streamed ~20% slower (docs/cpu-decode.md).
-template <int T, typename W>
-inline void dot_row(const W* w, const float* const* x, int64_t K, float* o) {
-  constexpr int U = T == 1 ? 4 : 2;  // independent accumulators per token (FMA latency)
-  __m256 acc[U][T];
-#pragma GCC unroll 4
-  for (int u = 0; u < U; ++u)
-#pragma GCC unroll 3
-    for (int t = 0; t < T; ++t) acc[u][t] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 * U <= K; k += 8 * U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m256 wv = load8(w + k + 8 * u);
-#pragma GCC unroll 3
-      for (int t = 0; t < T; ++t) acc[u][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k + 8 * u), acc[u][t]);
-    }
-  }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wv = load8(w + k);
-    for (int t = 0; t < T; ++t) acc[0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k), acc[0][t]);
-  }
-  for (int t = 0; t < T; ++t) {
-    __m256 v = acc[0][t];
-    for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[u][t]);
-    float s = hsum(v);
-    for (int64_t kk = k; kk < K; ++kk) s += load1(w + kk) * x[t][kk];
-    o[t] = s;
-  }
-}
-
-// o[r * T + t] for rows r of a group of 8, one row after another.
-template <int T, typename W>
-inline void rows8_rowwise(const W* const* w, const float* const* x, int64_t K, float* o) {
-  for (int r = 0; r < 8; ++r) dot_row<T>(w[r], x, K, o + r * T);
-}
-
-// Dots a group of 8 weight rows with n tokens, tile by tile, calling
-// epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token t.
-// Up to 3 tokens (decode): the rows one after another, each with every token (dot_row). More
-// tokens (prefill): two passes of 4 rows x 3 tokens, so each loaded weight vector feeds 3 FMAs;
-// the rows stay in L1/L2 between passes, so memory still sees each row once. pf: see dot_tile
-// (only the first token tile prefetches; later tiles find the rows in cache).
+// Dots a group of 8 weight rows with n tokens (more than 3: an expert's share of a prefill), tile
+// by tile, calling epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token
+// t: two passes of 4 rows x 3 tokens, so each loaded weight vector feeds 3 FMAs; the rows stay in
+// L1/L2 between passes, so memory still sees each row once. pf: see dot_tile (only the first token
+// tile prefetches; later tiles find the rows in cache). An expert with up to 3 tokens has its rows
+// read as streams instead (dot_rows_streamed, cpu_common.h), in a decode step or not.
 template <typename W, typename Epi>
 inline void rows8_tokens(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi, int64_t pf = 0) {
   float o[8 * 3];
-  if (n <= 3) {  // decode: rows one after another (see dot_row)
-    if (n == 1) rows8_rowwise<1>(w, x, K, o);
-    else if (n == 2) rows8_rowwise<2>(w, x, K, o);
-    else if (n == 3) rows8_rowwise<3>(w, x, K, o);
-    if (n > 0) epi(0, static_cast<int>(n), o);
-    return;
-  }
   int64_t t = 0;
   for (; n - t >= 3; t += 3) {
     dot_tile<4, 3>(w, x + t, K, o, t == 0 ? pf : 0);
@@ -185,6 +140,12 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 #endif
 constexpr int64_t kGateUpBlock = MOE_GATE_UP_BLOCK;
 constexpr int64_t kDownBlock = MOE_DOWN_BLOCK;
+// The same in a decode step, where every expert sees 1-3 tokens and its rows are read as four
+// streams side by side (dot_rows_streamed): longer blocks make each stream a longer run, 64 KB
+// at the bundled shapes (gate/up: 16 rows of H values; down: 64 rows of I values), long enough for
+// the prefetchers to ramp up, and there are still 4 items per expert and thread at 2 threads.
+constexpr int64_t kDecodeGateUpBlock = 32;
+constexpr int64_t kDecodeDownBlock = 256;
 constexpr double kMinParallelBytes = 256.0 * 1024;
 
 template <typename W>
@@ -228,8 +189,13 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     hrow[q] = hbuf.get() + q * I;
   }
 
-  const int64_t nb_gu = (I + kGateUpBlock - 1) / kGateUpBlock;
-  const int64_t nb_dn = (H + kDownBlock - 1) / kDownBlock;
+  int64_t most_tokens = 0;  // tokens of the busiest expert
+  for (int64_t e : active) most_tokens = std::max(most_tokens, offs[e + 1] - offs[e]);
+  const bool decode = most_tokens <= 3;
+  const int64_t gate_up_block = decode ? kDecodeGateUpBlock : kGateUpBlock;
+  const int64_t down_block = decode ? kDecodeDownBlock : kDownBlock;
+  const int64_t nb_gu = (I + gate_up_block - 1) / gate_up_block;
+  const int64_t nb_dn = (H + down_block - 1) / down_block;
 
   // A small layer (a few hundred KB of weights) is done in microseconds by one thread; handing
   // work to another would cost more, and much more when another process holds a core.
@@ -239,11 +205,20 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
   parallel_for(A * nb_gu, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_gu];
-    const int64_t j0 = (item % nb_gu) * kGateUpBlock, j1 = std::min(I, j0 + kGateUpBlock);
+    const int64_t j0 = (item % nb_gu) * gate_up_block, j1 = std::min(I, j0 + gate_up_block);
     const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
     const W* we = w13 + e * s13e;
     const float* const* xs = xrow.data() + q0;
     float* hb = hbuf.get() + q0 * I;
+    if (n <= 3) {  // the block's gate rows and up rows read as streams (cpu_common.h)
+      const int64_t m = j1 - j0;
+      float o[2 * std::max(kGateUpBlock, kDecodeGateUpBlock) * 3];
+      dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; },
+                                         2 * m, n, xs, H, o);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t jj = 0; jj < m; ++jj) hb[t * I + j0 + jj] = silu(o[jj * n + t]) * o[(m + jj) * n + t];
+      return;
+    }
     int64_t j = j0;
     // Groups of 4 intermediate rows: gate rows j..j+3 and up rows I+j..I+j+3.
     for (; j + 4 <= j1; j += 4) {
@@ -272,12 +247,23 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   float* ob = obuf.get();
   parallel_for(A * nb_dn, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_dn];
-    const int64_t r0 = (item % nb_dn) * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
+    const int64_t r0 = (item % nb_dn) * down_block, r1 = std::min(H, r0 + down_block);
     const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
     const W* we = w2 + e * s2e;
     const float* const* hs = hrow.data() + q0;
     const int64_t* pr = pair.data() + q0;
     const float* wq = wgt.data() + q0;
+    if (n <= 3) {  // the block's rows read as streams (cpu_common.h)
+      const int64_t m = r1 - r0;
+      float o[std::max(kDownBlock, kDecodeDownBlock) * 3];
+      dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (r0 + i) * s2r; }, m, n, hs, I, o);
+      for (int64_t t = 0; t < n; ++t) {
+        float* dst = ob + pr[t] * H + r0;
+        const float sw = wq[t];
+        for (int64_t i = 0; i < m; ++i) dst[i] = sw * o[i * n + t];
+      }
+      return;
+    }
     int64_t r = r0;
     for (; r + 8 <= r1; r += 8) {
       const W* rows[8];
