@@ -11,21 +11,36 @@ from pathlib import Path
 
 
 def measure_read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 3, huge_pages: bool = True) -> float:
-    """Best of a few full reads of a buffer far larger than the caches (a `sum` streams it once),
-    in huge pages as the engine places its weights, or in torch's default pages."""
+    """Read bandwidth: the best of a few full reads of a buffer far larger than the caches, in huge
+    pages as the engine places its weights (or in torch's default pages), by the fastest reader at
+    hand at torch's thread count. The readers are torch's `sum` (one sequential stream per thread)
+    and, where the CPU extension is built, `read_in_runs` (four runs side by side per thread, the way
+    the decode kernels read weights; one core reads faster that way, docs/cpu-decode.md). A
+    roofline taken from a slower reader than the engine's own would overstate the engine's share."""
+    return max(read_bandwidth_by_reader(megabytes, repeats, huge_pages).values())
+
+
+def read_bandwidth_by_reader(megabytes: int = 256, repeats: int = 3, huge_pages: bool = True) -> dict[str, float]:
+    """GB/s of each reader of `measure_read_bandwidth_gb_s`, best of `repeats` reads each."""
     import torch
 
     from moebench.engine import memory
+    from moebench.kernels.cpu_moe import load_extension
 
     numel = megabytes * 2**20 // 4
     x = memory.empty((numel,), torch.float32) if huge_pages else torch.empty(numel, dtype=torch.float32)
     x.fill_(1.0)
-    best = float("inf")
+    readers = {"torch.sum": x.sum}
+    ext = load_extension() if torch.cpu._is_avx2_supported() else None
+    if ext is not None and hasattr(ext, "read_in_runs"):
+        readers["read_in_runs"] = lambda: ext.read_in_runs(x)
+    best = {name: float("inf") for name in readers}
     for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
+        for name, read in readers.items():
+            start = time.perf_counter()
+            read()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: x.numel() * 4 / seconds / 1e9 for name, seconds in best.items()}
 
 
 def _thp_mode() -> str | None:

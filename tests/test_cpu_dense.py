@@ -1,7 +1,8 @@
 """The decode step's dense projections (kernels/cpu_dense.py, csrc/dense_cpu.cpp) and its thread
 pool: `linear` against F.linear on odd shapes (every row and token remainder path), bfloat16
-weights widened exactly, bias, strided inputs, results independent of the thread count, the pool's
-workers really taking items, and the fallbacks (many rows, other dtypes, the switch)."""
+weights widened exactly, bias, strided inputs, results independent of the thread count and of the
+rows a row is read beside, the pool's workers really taking items, the fallbacks (many rows, other
+dtypes, the switch), and the read-in-runs bandwidth probe."""
 
 from __future__ import annotations
 
@@ -48,6 +49,26 @@ def test_dense_linear_bias_and_strided_rows(ext):
     w = torch.randn(70, 200, generator=g)[:, :128]
     bias = torch.randn(70, generator=g)
     _close(ext.dense_linear(x, w, bias), F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_decode_row_does_not_depend_on_the_rows_read_beside_it(ext, n):
+    """With 1-3 tokens an item's rows are read as four runs side by side; each row is still summed in
+    one fixed order, so it comes out as it does projected alone."""
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(n, 1000, generator=g), torch.randn(203, 1000, generator=g)  # 3 items + 11 rows
+    together = ext.dense_linear(x, w, None)
+    alone = torch.cat([ext.dense_linear(x, w[r : r + 1], None) for r in range(w.shape[0])], dim=1)
+    assert torch.equal(together, alone)
+
+
+def test_read_in_runs_reads_every_value(ext, threads):
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        x = torch.ones(3 * 2**18 + 5)  # 3 items of four runs, and a remainder
+        assert ext.read_in_runs(x) == x.numel()
+        x = torch.arange(2**19, dtype=torch.float32) % 7
+        assert ext.read_in_runs(x) == float(x.double().sum())
 
 
 def test_bfloat16_weights_widen_exactly(ext):

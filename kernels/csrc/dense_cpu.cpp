@@ -291,21 +291,32 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
         out[t * ldo + r0 + i] = rows_out[i * N + t] + (bias != nullptr ? bias[r0 + i] : 0.0f);
     return;
   }
-  for (; r + 4 <= r1; r += 4) {
+  // 4 rows x 3 tokens at a time, the 4 rows taken from four runs of the block read side by side
+  // (rows i, i + q, i + 2q, i + 3q), as with fewer tokens; the rows stay in L1 for the next tokens
+  const int64_t q = (r1 - r0) / 4;
+  auto store4 = [&](int64_t i, int64_t t0, int tokens) {
+    for (int g = 0; g < 4; ++g)
+      for (int t = 0; t < tokens; ++t) {
+        const int64_t row = r0 + i + g * q;
+        out[(t0 + t) * ldo + row] = o[g * tokens + t] + (bias != nullptr ? bias[row] : 0.0f);
+      }
+  };
+  for (int64_t i = 0; i < q; ++i) {
+    const W* rows = w + (r0 + i) * ldw;
     int64_t t = 0;
     for (; t + 3 <= N; t += 3) {
-      tile<4, 3>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
-      store(r, 4, t, 3);
+      tile<4, 3>(rows, q * ldw, x + t * ldx, ldx, K, o);
+      store4(i, t, 3);
     }
     if (N - t == 2) {
-      tile<4, 2>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
-      store(r, 4, t, 2);
+      tile<4, 2>(rows, q * ldw, x + t * ldx, ldx, K, o);
+      store4(i, t, 2);
     } else if (N - t == 1) {
-      tile<4, 1>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
-      store(r, 4, t, 1);
+      tile<4, 1>(rows, q * ldw, x + t * ldx, ldx, K, o);
+      store4(i, t, 1);
     }
   }
-  for (; r < r1; ++r)
+  for (r = r0 + 4 * q; r < r1; ++r)
     for (int64_t t = 0; t < N; ++t) {
       tile<1, 1>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
       store(r, 1, t, 1);
@@ -356,6 +367,37 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 
 namespace {
 
+// Reads x (contiguous float32, 1-D) once on the step's thread pool, each 1 MB item as four runs
+// side by side, the way the decode kernels read weights (dot_rows_streamed); returns the sum of
+// the values, so that the reads are not optimized away. `moebench.machine` times it as one of its
+// bandwidth probes: on one core it reads faster than a single stream such as torch's `sum`.
+double read_in_runs(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "read_in_runs: x must be a contiguous 1-D float32 tensor");
+  constexpr int64_t kItem = 1 << 18, kRun = kItem / 4;  // floats
+  const float* xp = x.data_ptr<float>();
+  const int64_t items = x.numel() / kItem;
+  std::vector<float> partial(static_cast<size_t>(items));
+  {
+    pybind11::gil_scoped_release no_gil;
+    parallel_for(items, moebench_cpu::step_threads(), [&](int64_t i) {
+      const float* p = xp + i * kItem;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < kRun; k += 8) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + k));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + kRun + k));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + 2 * kRun + k));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + 3 * kRun + k));
+      }
+      partial[i] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    });
+  }
+  double sum = 0;
+  for (float v : partial) sum += v;
+  for (int64_t k = items * kItem; k < x.numel(); ++k) sum += xp[k];
+  return sum;
+}
+
 // How much of the last sections' work the pool's workers did (activation evidence for 2+ threads).
 pybind11::dict pool_stats() {
   pybind11::dict d;
@@ -376,5 +418,6 @@ void register_dense(pybind11::module& m) {
   m.def("pool_threads", &moebench_cpu::step_threads, "Threads the step's parallel sections use now");
   m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers");
 }

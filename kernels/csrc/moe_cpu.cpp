@@ -129,23 +129,20 @@ inline void rows2_tokens(const W* const* w, const float* const* x, int64_t n, in
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// Rows per work item. Gate/up: 16 intermediate rows = 32 weight rows; down: 64 output rows of one expert.
-// Large enough that claiming an item costs nothing next to streaming the rows,
-// small enough that there are many items to balance over the threads.
+// Rows per work item. Gate/up: 32 intermediate rows = 64 weight rows; down: 256 output rows of one
+// expert. Large enough that claiming an item costs nothing next to streaming the rows and that,
+// for an expert with 1-3 tokens, the item's rows read as four runs side by side
+// (dot_rows_streamed) make runs long enough for the prefetchers to ramp up (64 KB at the bundled
+// shapes: 16 rows of H values, 64 rows of I values); small enough that there are several items per
+// expert to balance over the threads.
 #ifndef MOE_GATE_UP_BLOCK
-#define MOE_GATE_UP_BLOCK 16
+#define MOE_GATE_UP_BLOCK 32
 #endif
 #ifndef MOE_DOWN_BLOCK
-#define MOE_DOWN_BLOCK 64
+#define MOE_DOWN_BLOCK 256
 #endif
 constexpr int64_t kGateUpBlock = MOE_GATE_UP_BLOCK;
 constexpr int64_t kDownBlock = MOE_DOWN_BLOCK;
-// The same in a decode step, where every expert sees 1-3 tokens and its rows are read as four
-// streams side by side (dot_rows_streamed): longer blocks make each stream a longer run, 64 KB
-// at the bundled shapes (gate/up: 16 rows of H values; down: 64 rows of I values), long enough for
-// the prefetchers to ramp up, and there are still 4 items per expert and thread at 2 threads.
-constexpr int64_t kDecodeGateUpBlock = 32;
-constexpr int64_t kDecodeDownBlock = 256;
 constexpr double kMinParallelBytes = 256.0 * 1024;
 
 template <typename W>
@@ -189,13 +186,8 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     hrow[q] = hbuf.get() + q * I;
   }
 
-  int64_t most_tokens = 0;  // tokens of the busiest expert
-  for (int64_t e : active) most_tokens = std::max(most_tokens, offs[e + 1] - offs[e]);
-  const bool decode = most_tokens <= 3;
-  const int64_t gate_up_block = decode ? kDecodeGateUpBlock : kGateUpBlock;
-  const int64_t down_block = decode ? kDecodeDownBlock : kDownBlock;
-  const int64_t nb_gu = (I + gate_up_block - 1) / gate_up_block;
-  const int64_t nb_dn = (H + down_block - 1) / down_block;
+  const int64_t nb_gu = (I + kGateUpBlock - 1) / kGateUpBlock;
+  const int64_t nb_dn = (H + kDownBlock - 1) / kDownBlock;
 
   // A small layer (a few hundred KB of weights) is done in microseconds by one thread; handing
   // work to another would cost more, and much more when another process holds a core.
@@ -205,14 +197,14 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
   parallel_for(A * nb_gu, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_gu];
-    const int64_t j0 = (item % nb_gu) * gate_up_block, j1 = std::min(I, j0 + gate_up_block);
+    const int64_t j0 = (item % nb_gu) * kGateUpBlock, j1 = std::min(I, j0 + kGateUpBlock);
     const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
     const W* we = w13 + e * s13e;
     const float* const* xs = xrow.data() + q0;
     float* hb = hbuf.get() + q0 * I;
     if (n <= 3) {  // the block's gate rows and up rows read as streams (cpu_common.h)
       const int64_t m = j1 - j0;
-      float o[2 * std::max(kGateUpBlock, kDecodeGateUpBlock) * 3];
+      float o[2 * kGateUpBlock * 3];
       dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; },
                                          2 * m, n, xs, H, o);
       for (int64_t t = 0; t < n; ++t)
@@ -247,7 +239,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   float* ob = obuf.get();
   parallel_for(A * nb_dn, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_dn];
-    const int64_t r0 = (item % nb_dn) * down_block, r1 = std::min(H, r0 + down_block);
+    const int64_t r0 = (item % nb_dn) * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
     const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
     const W* we = w2 + e * s2e;
     const float* const* hs = hrow.data() + q0;
@@ -255,7 +247,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const float* wq = wgt.data() + q0;
     if (n <= 3) {  // the block's rows read as streams (cpu_common.h)
       const int64_t m = r1 - r0;
-      float o[std::max(kDownBlock, kDecodeDownBlock) * 3];
+      float o[kDownBlock * 3];
       dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (r0 + i) * s2r; }, m, n, hs, I, o);
       for (int64_t t = 0; t < n; ++t) {
         float* dst = ob + pr[t] * H + r0;
