@@ -15,9 +15,10 @@ first; the table shows medians over rounds and the median of the per-round ratio
 
 Beside the rates: the bytes a decode step must read (the runtime's own step records: its routed
 experts' weights, every other weight, the KV cache), the read bandwidth measured in the same run
-at the same thread count (a `sum` over a 256 MB buffer in huge pages, best of three, once per
-round) and the memory-bandwidth roofline, batch * bandwidth / bytes per step, with each engine's
-fraction of it. Greedy tokens of every engine are compared with transformers' for the same
+at the same thread count (a 256 MB buffer in huge pages read by the fastest reader at hand, torch's
+`sum` or the extension's four-runs read, best of three each, once per round: `moebench.machine`;
+the highest round counts) and the memory-bandwidth roofline, batch * bandwidth / bytes per step,
+with each engine's fraction of it. Greedy tokens of every engine are compared with transformers' for the same
 prompts (transformers runs once, batched, before any timing, and is then freed).
 """
 
@@ -282,7 +283,7 @@ def bench_engine_command(
     import torch  # here, not at the top: `moebench --help` imports this module
 
     from moebench.engine import load_checkpoint
-    from moebench.machine import describe_machine, measure_read_bandwidth_gb_s
+    from moebench.machine import describe_machine, read_bandwidth_by_reader
     from moebench.random_models import make_random_qwen3_moe, write_char_tokenizer
 
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -321,6 +322,7 @@ def bench_engine_command(
             for t in thread_counts:
                 torch.set_num_threads(t)
                 bandwidths: list[float] = []
+                readers: list[dict[str, float]] = []  # each round's GB/s by reader
                 figures = {(b, side.name): {"rates": [], "tokens": None} for b in batches for side in (bundled, other)}
                 bytes_per_step: dict[int, list[float]] = {b: [] for b in batches}
                 for b in batches:  # warm-up: first touches, the server's start
@@ -328,7 +330,8 @@ def bench_engine_command(
                         side.run(prompts[:b], 2, t)
                 for round_ in range(repeats):
                     torch.set_num_threads(t)
-                    bandwidths.append(measure_read_bandwidth_gb_s())
+                    readers.append(read_bandwidth_by_reader())
+                    bandwidths.append(max(readers[-1].values()))
                     for b in batches:
                         order = (bundled, other) if (round_ + b) % 2 == 0 else (other, bundled)
                         for side in order:
@@ -347,7 +350,8 @@ def bench_engine_command(
                     ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
                     rows.append({
                         "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
-                        "bandwidth_gb_s_rounds": bandwidths, "roofline_tok_s": roofline,
+                        "bandwidth_gb_s_rounds": bandwidths, "bandwidth_by_reader_rounds": readers,
+                        "roofline_tok_s": roofline,
                         "engines": {
                             side: {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
                                    "roofline_fraction": _median(cell["rates"]) / roofline,
