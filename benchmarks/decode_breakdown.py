@@ -43,7 +43,9 @@ def timed(name, fn):
 
 def instrument(vocab_size: int) -> None:
     transformer = model_module.MoeTransformer
-    transformer.attention = timed("attention (qkv, attention, output projection)", transformer.attention)
+    # the sub-layer, not `attention`: a decode step runs it as one native call (csrc/decode_layer.cpp)
+    transformer.attention_sublayer = timed("attention (qkv, attention, output projection, add + norm)",
+                                           transformer.attention_sublayer)
     transformer.route = timed("router (projection, softmax, top-k)", transformer.route)
     moe_module.FusedMoe.compute = timed("experts (fused MoE kernel)", moe_module.FusedMoe.compute)
     plain_linear = model_module.linear
