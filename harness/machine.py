@@ -25,15 +25,11 @@ def read_bandwidth_by_reader(megabytes: int = 256, repeats: int = 3, huge_pages:
     import torch
 
     from moebench.engine import memory
-    from moebench.kernels.cpu_moe import load_extension
 
     numel = megabytes * 2**20 // 4
     x = memory.empty((numel,), torch.float32) if huge_pages else torch.empty(numel, dtype=torch.float32)
     x.fill_(1.0)
-    readers = {"torch.sum": x.sum}
-    ext = load_extension() if torch.cpu._is_avx2_supported() else None
-    if ext is not None and hasattr(ext, "read_in_runs"):
-        readers["read_in_runs"] = lambda: ext.read_in_runs(x)
+    readers = bandwidth_readers(x)
     best = {name: float("inf") for name in readers}
     for _ in range(repeats):
         for name, read in readers.items():
@@ -41,6 +37,21 @@ def read_bandwidth_by_reader(megabytes: int = 256, repeats: int = 3, huge_pages:
             read()
             best[name] = min(best[name], time.perf_counter() - start)
     return {name: x.numel() * 4 / seconds / 1e9 for name, seconds in best.items()}
+
+
+def bandwidth_readers(x) -> dict:
+    """name -> a call that reads all of the float32 buffer `x` once: torch's `sum`, and on the CPU,
+    where the extension is built, its `read_in_runs` (four runs side by side per thread)."""
+    import torch
+
+    readers = {"torch.sum": x.sum}
+    if x.device.type == "cpu" and torch.cpu._is_avx2_supported():
+        from moebench.kernels.cpu_moe import load_extension
+
+        ext = load_extension()
+        if ext is not None and hasattr(ext, "read_in_runs"):
+            readers["read_in_runs"] = lambda: ext.read_in_runs(x)
+    return readers
 
 
 def _thp_mode() -> str | None:
