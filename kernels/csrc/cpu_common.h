@@ -49,7 +49,7 @@ inline float hsum(__m256 v) {
 // runs of consecutive rows.
 //
 // Each row is summed in one fixed order (RowSum) whatever rows it is read beside, so streaming
-// changed no result: kDense as dense_cpu.cpp's single-row tile sums a row (two accumulators,
+// changed no result: kDense as the dense kernel summed a single row before (two accumulators,
 // combined before the last 8-wide steps), kMoe as the MoE kernel summed a decode row before (four
 // accumulators for one token, two for more, combined at the end).
 enum class RowSum { kDense, kMoe };

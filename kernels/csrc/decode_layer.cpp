@@ -4,7 +4,8 @@
 // interpreter runs between every two of them (argument checks, wrapper functions, torch dispatch)
 // with caches the weight stream has just flushed: that time is spent with no weight moving. The
 // chains below run the very same kernels in the same order with the same arguments as the calls
-// they replace (so their results are bit-identical, tests/test_decode_layer.py), only without
+// they replace (so their results are bit-identical,
+// tests/test_step_ops.py::test_decode_chains_are_the_ops_one_by_one), only without
 // returning to Python in between.
 
 #include "cpu_common.h"

@@ -228,6 +228,7 @@ using moebench_cpu::dot_rows_streamed;
 using moebench_cpu::parallel_for;
 
 // o[r * T + t] = dot(w row r, x row t) over K, R rows and T tokens (R * T + T + 1 ymm registers).
+// A single row is summed by dot_streams (RowSum::kDense) instead, with every number of tokens.
 template <int R, int T, typename W>
 inline void tile(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* o) {
   __m256 acc[R][T];
@@ -236,19 +237,6 @@ inline void tile(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   int64_t k = 0;
-  if (R == 1) {  // a single row: a second set of accumulators hides the FMA latency
-    __m256 acc2[T];
-    for (int t = 0; t < T; ++t) acc2[t] = _mm256_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-      const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t) {
-        acc[0][t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + k), acc[0][t]);
-        acc2[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + k + 8), acc2[t]);
-      }
-    }
-    for (int t = 0; t < T; ++t) acc[0][t] = _mm256_add_ps(acc[0][t], acc2[t]);
-  }
   for (; k + 8 <= K; k += 8) {
     __m256 xv[T];
 #pragma GCC unroll 4
@@ -274,13 +262,6 @@ constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
 template <typename W>
 void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw, const float* bias, int64_t K,
                 float* out, int64_t ldo, int64_t r0, int64_t r1) {
-  float o[8 * 3];
-  auto store = [&](int64_t r, int rows, int64_t t0, int tokens) {
-    for (int g = 0; g < rows; ++g)
-      for (int t = 0; t < tokens; ++t)
-        out[(t0 + t) * ldo + r + g] = o[g * tokens + t] + (bias != nullptr ? bias[r + g] : 0.0f);
-  };
-  int64_t r = r0;
   if (N <= 3) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
     float rows_out[kRowsPerItem * 3];
     const float* xs[3] = {x, x + ldx, x + 2 * ldx};
@@ -294,6 +275,7 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
   // 4 rows x 3 tokens at a time, the 4 rows taken from four runs of the block read side by side
   // (rows i, i + q, i + 2q, i + 3q), as with fewer tokens; the rows stay in L1 for the next tokens
   const int64_t q = (r1 - r0) / 4;
+  float o[4 * 3];
   auto store4 = [&](int64_t i, int64_t t0, int tokens) {
     for (int g = 0; g < 4; ++g)
       for (int t = 0; t < tokens; ++t) {
@@ -316,11 +298,15 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
       store4(i, t, 1);
     }
   }
-  for (r = r0 + 4 * q; r < r1; ++r)
+  for (int64_t r = r0 + 4 * q; r < r1; ++r) {  // the rows left over: one at a time, token by token
+    const W* row = w + r * ldw;
     for (int64_t t = 0; t < N; ++t) {
-      tile<1, 1>(w + r * ldw, ldw, x + t * ldx, ldx, K, o);
-      store(r, 1, t, 1);
+      const float* token = x + t * ldx;
+      float dot;
+      moebench_cpu::dot_streams<moebench_cpu::RowSum::kDense, 1, 1>(&row, &token, K, &dot);
+      out[t * ldo + r] = dot + (bias != nullptr ? bias[r] : 0.0f);
     }
+  }
 }
 
 }  // namespace
