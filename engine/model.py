@@ -186,9 +186,12 @@ class MoeTransformer:
         self.decode_on_pool = self.ops is not None
         # a decode step's attention sub-layer and router each run as one native call where the ops
         # they chain apply (MOEBENCH_DECODE_CHAINS=0 calls them one by one, for A/B measurements)
+        # (the weights a chain streams are checked here, once: they do not change)
+        chained_weights = [w for layer in ckpt.layers for w in (layer.qkv_proj, layer.o_proj, layer.router)
+                           if w is not None]
         self.decode_chains = (self.ops is not None and hasattr(self.ops, "route_decode")
                               and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
-                              and self.fast_decode_attention)
+                              and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
@@ -247,9 +250,7 @@ class MoeTransformer:
         """h += attention(x) in place; returns RMSNorm(h) with `post_norm` (the extension's ops). A
         decode step runs it as one native call, the same kernels in the same order as below."""
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
-        if (self.decode_chains and batch.max_q == 1 and kv.k[layer_idx].dtype == torch.float32
-                and cpu_dense.rows_stream(x) and cpu_dense.weight_streams(w.qkv_proj)
-                and cpu_dense.weight_streams(w.o_proj)):
+        if self.decode_chains and batch.max_q == 1 and kv.k[layer_idx].dtype == torch.float32 and cpu_dense.rows_stream(x):
             self._count_attention("cpp-block")
             cpu_dense.count_chained(2)
             return self.ops.decode_attention_sublayer(
@@ -270,7 +271,7 @@ class MoeTransformer:
 
     def route(self, x, layer_idx: int):
         cfg, router = self.cfg, self.ckpt.layers[layer_idx].router
-        if self.decode_chains and cpu_dense.rows_stream(x) and cpu_dense.weight_streams(router):
+        if self.decode_chains and cpu_dense.rows_stream(x):
             cpu_dense.count_chained(1)  # the projection, softmax and top-k below in one native call
             return self.ops.route_decode(x.contiguous(), router, cfg.top_k, cfg.norm_topk_prob)
         logits = linear(x, router)
