@@ -3,7 +3,9 @@ the forward, and what happens outside it (batch building, argmax, bookkeeping), 
 thread count and batch. Each part is timed with perf_counter around the model's own methods (the
 fused MoE kernel and the projections are C++ calls torch.profiler does not see inside); the CPU
 time of every thread of the process over the measured run is printed too (a helper thread burning
-CPU while the step waits shows there).
+CPU while the step waits shows there). Where a decode step's layers run as one native call
+(MoeTransformer.native_decode_layers) they are one part; MOEBENCH_DECODE_CHAINS=0 runs them one by
+one and splits them into attention, router and experts.
 
     flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model DIR --threads 1,2 --batch 1,16
 
@@ -48,6 +50,17 @@ def instrument(vocab_size: int) -> None:
                                            transformer.attention_sublayer)
     transformer.route = timed("router (projection, softmax, top-k)", transformer.route)
     moe_module.FusedMoe.compute = timed("experts (fused MoE kernel)", moe_module.FusedMoe.compute)
+    native_layers = transformer.native_decode_layers
+
+    class TimedLayers:
+        def __init__(self, layers):
+            self.run = timed("every layer (one native call: attention, router, experts)", layers.run)
+
+    def timed_native_layers(self):
+        layers = native_layers(self)
+        return None if layers is None else TimedLayers(layers)
+
+    transformer.native_decode_layers = timed_native_layers
     plain_linear = model_module.linear
 
     def linear(x, w, bias=None):  # the LM head is the projection with a row per vocabulary entry

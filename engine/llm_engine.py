@@ -342,6 +342,8 @@ class EngineSession:
             "prefetch": {**self.store.evidence(), **self.prefetcher.evidence()},
             # decode attention calls by the implementation that ran them (engine/model.py)
             "attention": dict(getattr(self.model, "attention_backends", {})),
+            # decode steps by how their layers ran: in one native call, or one by one (engine/model.py)
+            "decode_steps": dict(getattr(self.model, "decode_steps", {})),
         }
 
     def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:

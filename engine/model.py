@@ -189,6 +189,9 @@ class MoeTransformer:
         # (the weights a chain streams are checked here, once: they do not change)
         chained_weights = [w for layer in ckpt.layers for w in (layer.qkv_proj, layer.o_proj, layer.router)
                            if w is not None]
+        # decode steps by how their layers ran: all in one native call, or one by one (activation evidence)
+        self.decode_steps: dict[str, int] = {}
+        self._native_layers = None  # DecodeLayers, False where it does not apply, None until the first decode step
         self.decode_chains = (self.ops is not None and hasattr(self.ops, "route_decode")
                               and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
                               and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
@@ -261,8 +264,34 @@ class MoeTransformer:
         return self.ops.add_rms_norm(h, self.attention(x, layer_idx, batch, kv, rope_tables), post_norm,
                                      cfg.rms_norm_eps)
 
-    def _count_attention(self, backend: str) -> None:
-        self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1
+    def _count_attention(self, backend: str, calls: int = 1) -> None:
+        self.attention_backends[backend] = self.attention_backends.get(backend, 0) + calls
+
+    def native_decode_layers(self):
+        """The extension's DecodeLayers over this model's weights (a decode step's layers in one
+        call), where it computes what the layer loop of `forward` computes: decode chains on, every
+        layer an MoE layer, and an MoE block with nothing to do between layers
+        (MoeBlock.resident_experts). Built on the first decode step (the MoE block is set after the
+        model); None where it does not apply."""
+        if self._native_layers is None:
+            self._native_layers = self._build_native_layers() or False
+        return self._native_layers or None
+
+    def _build_native_layers(self):
+        cfg, layers = self.cfg, self.ckpt.layers
+        if not (self.decode_chains and hasattr(self.ops, "DecodeLayers")
+                and all(map(cfg.is_moe_layer, range(cfg.num_layers)))):
+            return None
+        experts = self.moe_block.resident_experts() if hasattr(self.moe_block, "resident_experts") else None
+        if experts is None:
+            return None
+        optional = (lambda w: w) if cfg.qk_norm else (lambda w: None)
+        return self.ops.DecodeLayers(
+            [w.qkv_proj for w in layers], [w.qkv_bias for w in layers], [optional(w.q_norm) for w in layers],
+            [optional(w.k_norm) for w in layers], [w.o_proj for w in layers],
+            [w.post_attention_norm for w in layers], [w.router for w in layers], [experts[i][0] for i in range(len(layers))],
+            [experts[i][1] for i in range(len(layers))], [w.input_norm for w in layers[1:]] + [self.ckpt.final_norm],
+            cfg.rms_norm_eps, self.scale, cfg.sliding_window or 0, cfg.num_heads, cfg.top_k, cfg.norm_topk_prob)
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
@@ -311,6 +340,18 @@ class MoeTransformer:
         decode_block = batch.max_q == 1 and self.fast_decode_attention
         rope_tables = None if decode_block else self.rope.tables(batch.positions, h.dtype, batch.max_position)
         x = add_norm(h, None, layers[0].input_norm, eps)
+        native = (self.native_decode_layers() if decode_block and cpu_dense.rows_stream(x)
+                  and kv.k[0].dtype == torch.float32 else None)
+        if native is not None:  # every layer in one call (the loop below, without the interpreter)
+            x, topk_ids = native.run(h, x, self.rope.cos, self.rope.sin, batch.positions, batch.slot_mapping,
+                                     batch.context_blocks, batch.context_lens, kv.block_size, kv.k, kv.v)
+            self.moe_block.ran_natively(topk_ids)
+            self._count_attention("cpp-block", len(layers))
+            cpu_dense.count_chained(3 * len(layers))  # qkv, output and router projections
+            self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
+            layers = []
+        elif decode_block:
+            self.decode_steps["layer-by-layer"] = self.decode_steps.get("layer-by-layer", 0) + 1
         for i, w in enumerate(layers):
             x = self.attention_sublayer(h, x, i, batch, kv, rope_tables, w.post_attention_norm)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.ckpt.final_norm

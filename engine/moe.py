@@ -72,6 +72,14 @@ class FusedMoe(MoeKernel):
 
         return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2, self.backends)
 
+    def ran_natively(self, calls: int) -> None:
+        """`calls` MoE layers ran the C++ kernel inside one native call of a decode step's layers
+        (engine/model.py, MoeTransformer.native_decode_layers)."""
+        from moebench.kernels.cpu_moe import BACKEND_CPP
+
+        self.calls += calls
+        self.backends[BACKEND_CPP] = self.backends.get(BACKEND_CPP, 0) + calls
+
     @staticmethod
     def expert_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
         """bfloat16 experts stay bfloat16 for the C++ CPU kernel: it widens them to float32 in
@@ -141,6 +149,32 @@ class MoeBlock:
         self.store = store
         self.prefetcher = prefetcher
         self.stats = stats
+
+    def resident_experts(self) -> dict | None:
+        """layer -> (w13, w2) where a decode step's MoE layers may run inside one native call
+        (MoeTransformer.native_decode_layers): the fused C++ kernel on resident experts and no
+        prefetcher, so that between layers the store and the prefetcher have nothing to do but count
+        (`ran_natively`). Else None."""
+        from moebench.engine.expert_store import NoPrefetch, ResidentStore
+        from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
+
+        if not (type(self.kernel) is FusedMoe and type(self.store) is ResidentStore
+                and type(self.prefetcher) is NoPrefetch and cpu_backend() == BACKEND_CPP):
+            return None
+        weights = [w for pair in self.store.experts.values() for w in pair]
+        if not all(w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.stride(-1) == 1
+                   and w.dtype == weights[0].dtype for w in weights):
+            return None
+        return self.store.experts
+
+    def ran_natively(self, topk_ids: list[torch.Tensor]) -> None:
+        """A decode step's MoE layers 0.. ran inside one native call and chose these experts: what
+        each layer's call would have recorded (routing statistics, the store's look-ups, the kernel's
+        calls). The prefetcher's hooks are NoPrefetch's, which do nothing."""
+        for layer, ids in enumerate(topk_ids):
+            self.stats.record(layer, ids)
+            self.store.fetch(layer, ids)
+        self.kernel.ran_natively(len(topk_ids))
 
     def start(self, h: torch.Tensor) -> None:
         """A forward pass begins with these embeddings."""

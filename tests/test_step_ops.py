@@ -170,7 +170,8 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
         calls_seen = model.ops.calls
     cfg = ckpt.config
     stats = RoutingStats(cfg.num_layers, cfg.num_experts)
-    model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(), stats)
+    kernel, store = make_kernel("fused"), ResidentStore(ckpt)
+    model.moe_block = MoeBlock(model.route, kernel, store, NoPrefetch(), stats)
     block = 4
     kv = KVCache(cfg.num_layers, 40, block, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     g = torch.Generator().manual_seed(1)
@@ -187,6 +188,9 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
             cached[i] += len(tokens)
             seqs[i].append(int(row.argmax()))
         out.append(logits)
+        routing.append(stats.take_step())
+
+    routing = []
 
     step([0, 1, 2], [seqs[i] for i in range(3)])  # prefill
     step([0, 1, 2, 3], [seqs[0][-1:], seqs[1][-1:], seqs[2][-1:], seqs[3]])  # mixed
@@ -194,6 +198,10 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
         step([0, 1, 2, 3], [seqs[i][-1:] for i in range(4)])
     if calls is not None:
         calls.update(calls_seen)
+        # what the steps recorded besides their logits, which must not depend on how they ran
+        calls["recorded"] = (routing, stats.load.tolist(), {k: v for k, v in stats.last_topk.items()},
+                             kernel.evidence(), store.counters.total, model.attention_backends)
+        calls["decode_steps"] = model.decode_steps
     return out
 
 
@@ -210,21 +218,44 @@ def test_forward_with_step_ops_is_bit_identical(tmp_path, ops, monkeypatch, name
 
 
 @pytest.mark.parametrize("name,extra", [("qwen3_e6_k2_norm", {}), ("qwen3_e7_k4", {}),
-                                        ("mixtral_e5_k2", {"sliding_window": 6})])
+                                        ("mixtral_e5_k2", {"sliding_window": 6}),
+                                        ("qwen3_e5_k1", {"mlp_only_layers": [0]})])
 def test_decode_chains_are_the_ops_one_by_one(tmp_path, ops, monkeypatch, name, extra):
-    """The chains compute what the ops they chain compute, called one by one, and they do run: every
-    decode step's attention sub-layer and every router of few rows is one call."""
+    """The chains compute what the ops they chain compute, called one by one, and record the same
+    routing, store look-ups, kernel calls and attention calls; and they do run. Where every layer is
+    an MoE layer, a decode step's layers are one call (DecodeLayers); else each decode step's
+    attention sub-layer is one call. Every router of few rows is one call."""
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, name, **extra))
     chained_calls, single_calls = {}, {}
     chained = _forward_logits(ckpt, True, monkeypatch, chains=True, calls=chained_calls)
     single = _forward_logits(ckpt, True, monkeypatch, chains=False, calls=single_calls)
     for a, b in zip(chained, single, strict=True):
         assert torch.equal(a, b)
+    assert _same(chained_calls["recorded"], single_calls["recorded"])
     layers, moe_layers = ckpt.config.num_layers, sum(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers)))
-    assert chained_calls["decode_attention_sublayer"] == 6 * layers  # the decode steps'
-    assert chained_calls["route_decode"] == 8 * moe_layers  # every step's: at most 28 rows each
-    assert "decode_attention_sublayer" not in single_calls and "route_decode" not in single_calls
+    assert single_calls["decode_steps"] == {"layer-by-layer": 6}
     assert single_calls["decode_attention_block"] == 6 * layers
+    assert "decode_attention_sublayer" not in single_calls and "route_decode" not in single_calls
+    assert "DecodeLayers" not in single_calls
+    if moe_layers == layers:  # the 6 decode steps' layers, each step in one call; routers of the other 2 steps
+        assert chained_calls["decode_steps"] == {"native-layers": 6} and chained_calls["DecodeLayers"] == 1
+        assert "decode_attention_sublayer" not in chained_calls
+        assert chained_calls["route_decode"] == 2 * moe_layers
+    else:
+        assert chained_calls["decode_steps"] == {"layer-by-layer": 6} and "DecodeLayers" not in chained_calls
+        assert chained_calls["decode_attention_sublayer"] == 6 * layers
+        assert chained_calls["route_decode"] == 8 * moe_layers  # every step's: at most 28 rows each
+
+
+def _same(a, b) -> bool:
+    """Equal nested records, tensors compared exactly."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 def _torch_routing_summary(steps, num_layers, num_experts):

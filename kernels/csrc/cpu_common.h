@@ -128,8 +128,8 @@ inline void dot_rows_streamed(Row row, int64_t rows, int64_t tokens, const float
 
 }  // namespace moebench_cpu
 
-// The decode step's ops that decode_layer.cpp chains into one call each (defined in dense_cpu.cpp
-// and attention_cpu.cpp, where their contracts are written).
+// The decode step's ops that decode_layer.cpp chains into one call each (defined in dense_cpu.cpp,
+// attention_cpu.cpp and moe_cpu.cpp, where their contracts are written).
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Tensor> q_norm,
                                      c10::optional<torch::Tensor> k_norm, double eps, torch::Tensor cos,
@@ -138,3 +138,5 @@ torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Ten
                                      double scale, int64_t window, int64_t num_heads);
 torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps);
 std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renormalize);
+torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
+                        torch::Tensor w2);

@@ -1,12 +1,12 @@
 // Chains of the extension's decode-step ops, each chain one call from Python.
 //
 // At batch 1 a decode step streams a few hundred MB of weights in ~60 native calls, and the
-// interpreter runs between every two of them (argument checks, wrapper functions, torch dispatch)
-// with caches the weight stream has just flushed: that time is spent with no weight moving. The
-// chains below run the very same kernels in the same order with the same arguments as the calls
-// they replace (so their results are bit-identical,
-// tests/test_step_ops.py::test_decode_chains_are_the_ops_one_by_one), only without
-// returning to Python in between.
+// interpreter runs between every two of them (argument checks, wrapper functions, torch dispatch,
+// the MoE block's store, prefetcher and statistics hooks) with caches the weight stream has just
+// flushed: that time is spent with no weight moving. The chains below run the very same kernels in
+// the same order with the same arguments as the calls they replace (so their results are
+// bit-identical, tests/test_step_ops.py::test_decode_chains_are_the_ops_one_by_one), only without
+// returning to Python in between. The longest, DecodeLayers, is all of a step's layers.
 
 #include "cpu_common.h"
 
@@ -36,9 +36,76 @@ std::vector<torch::Tensor> route_decode(torch::Tensor x, torch::Tensor router_w,
   return route_topk(at::softmax(dense_linear(x, router_w, c10::nullopt), -1), k, renormalize);
 }
 
+// Every layer of a decode step in one call, for a model whose layers are all MoE layers with their
+// experts resident (nothing for an expert store or a prefetcher to do between layers). Per layer:
+// the attention sub-layer chain, the router chain, fused_moe, then h += the MoE output and the next
+// RMSNorm (the next layer's input norm; after the last layer, the final norm) by add_rms_norm.
+// The weights are taken once, at construction; a step passes what changes: the residual stream,
+// the batch's index tensors, the RoPE tables (they grow) and the K/V caches.
+class DecodeLayers {
+ public:
+  DecodeLayers(std::vector<torch::Tensor> qkv_w, std::vector<c10::optional<torch::Tensor>> qkv_b,
+               std::vector<c10::optional<torch::Tensor>> q_norm, std::vector<c10::optional<torch::Tensor>> k_norm,
+               std::vector<torch::Tensor> o_w, std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> router,
+               std::vector<torch::Tensor> w13, std::vector<torch::Tensor> w2, std::vector<torch::Tensor> next_norm,
+               double eps, double scale, int64_t window, int64_t num_heads, int64_t top_k, bool renormalize)
+      : eps_(eps), scale_(scale), window_(window), num_heads_(num_heads), top_k_(top_k), renormalize_(renormalize) {
+    const size_t n = qkv_w.size();
+    TORCH_CHECK(qkv_b.size() == n && q_norm.size() == n && k_norm.size() == n && o_w.size() == n &&
+                    post_norm.size() == n && router.size() == n && w13.size() == n && w2.size() == n &&
+                    next_norm.size() == n,
+                "DecodeLayers: every weight list must have one entry per layer");
+    for (size_t i = 0; i < n; ++i)
+      layers_.push_back({qkv_w[i], qkv_b[i], q_norm[i], k_norm[i], o_w[i], post_norm[i], router[i], w13[i], w2[i],
+                         next_norm[i]});
+  }
+
+  // h [B, hidden] (updated in place) and x = the first layer's input norm of h. Returns the final
+  // norm's output and each layer's top-k expert ids.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(torch::Tensor h, torch::Tensor x, torch::Tensor cos,
+                                                            torch::Tensor sin, torch::Tensor positions,
+                                                            torch::Tensor slots, torch::Tensor blocks,
+                                                            torch::Tensor lens, int64_t block_size,
+                                                            std::vector<torch::Tensor> k,
+                                                            std::vector<torch::Tensor> v) const {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(),
+                "DecodeLayers.run: one K and one V cache per layer");
+    std::vector<torch::Tensor> topk_ids;
+    topk_ids.reserve(layers_.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& w = layers_[i];
+      x = decode_attention_sublayer(h, x, w.qkv_w, w.qkv_b, w.q_norm, w.k_norm, eps_, cos, sin, positions, k[i], v[i],
+                                    slots, blocks, lens, block_size, scale_, window_, num_heads_, w.o_w, w.post_norm);
+      auto routed = route_decode(x, w.router, top_k_, renormalize_);
+      x = add_rms_norm(h, fused_moe(x, routed[0], routed[1], w.w13, w.w2), w.next_norm, eps_);
+      topk_ids.push_back(routed[1]);
+    }
+    return {x, topk_ids};
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor qkv_w;
+    c10::optional<torch::Tensor> qkv_b, q_norm, k_norm;
+    torch::Tensor o_w, post_norm, router, w13, w2, next_norm;
+  };
+  std::vector<Layer> layers_;
+  double eps_, scale_;
+  int64_t window_, num_heads_, top_k_;
+  bool renormalize_;
+};
+
 }  // namespace
 
 void register_decode_layer(pybind11::module& m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers",
+                                 "Every layer of a decode step in one call (all layers MoE, experts resident; float32)")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
+                          double, int64_t, int64_t, int64_t, bool>())
+      .def("run", &DecodeLayers::run, "A decode step's layers: returns (final norm of h, top-k ids of each layer)");
   m.def("decode_attention_sublayer", &decode_attention_sublayer,
         "qkv projection, decode_attention_block, output projection and add_rms_norm in one call (float32)");
   m.def("route_decode", &route_decode, "Router projection, torch's softmax and route_topk in one call (float32)");

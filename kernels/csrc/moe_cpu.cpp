@@ -299,6 +299,8 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   });
 }
 
+}  // namespace
+
 // x [N, H] float32 (last dim contiguous), topk_weights [N, k] float32, topk_ids [N, k] int64,
 // w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (last dims contiguous). Returns [N, H] float32.
 torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
@@ -338,8 +340,6 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   }
   return out;
 }
-
-}  // namespace
 
 // attention_cpu.cpp, built into the same extension: decode attention and the small decode-step ops
 void register_attention(pybind11::module& m);
