@@ -16,9 +16,14 @@ first; the table shows medians over rounds and the median of the per-round ratio
 Beside the rates: the bytes a decode step must read (the runtime's own step records: its routed
 experts' weights, every other weight, the KV cache), the read bandwidth measured in the same run
 at the same thread count (a 256 MB buffer in huge pages read by the fastest reader at hand, torch's
-`sum` or the extension's four-runs read, best of three each, once per round: `moebench.machine`;
-the highest round counts) and the memory-bandwidth roofline, batch * bandwidth / bytes per step,
-with each engine's fraction of it. Greedy tokens of every engine are compared with transformers' for the same
+`sum` or the extension's four-runs read, best of three each: `moebench.machine`) and the
+memory-bandwidth roofline, batch * bandwidth / bytes per step, with each engine's fraction of it.
+The bandwidth of these VMs drifts by a third from one minute to the next, so each timed run is
+paired with the bandwidth of its own minute: probes are taken between the runs of a round (before
+the first, between the two, after the second), a run's roofline is the higher of the probes just
+before and just after it, and an engine's fraction is the median over rounds of its runs' paired
+fractions. The fraction of the run's best probe (a median rate against the fastest minute, which
+drift alone pulls down) is kept beside it. Greedy tokens of every engine are compared with transformers' for the same
 prompts (transformers runs once, batched, before any timing, and is then freed).
 """
 
@@ -321,43 +326,55 @@ def bench_engine_command(
         try:
             for t in thread_counts:
                 torch.set_num_threads(t)
-                bandwidths: list[float] = []
-                readers: list[dict[str, float]] = []  # each round's GB/s by reader
-                figures = {(b, side.name): {"rates": [], "tokens": None} for b in batches for side in (bundled, other)}
+                readers: list[dict[str, float]] = []  # each probe's GB/s by reader, in the order taken
+                figures = {(b, side.name): {"rates": [], "bandwidths": [], "tokens": None}
+                           for b in batches for side in (bundled, other)}
                 bytes_per_step: dict[int, list[float]] = {b: [] for b in batches}
                 for b in batches:  # warm-up: first touches, the server's start
                     for side in (bundled, other):
                         side.run(prompts[:b], 2, t)
-                for round_ in range(repeats):
+                def probe() -> float:
                     torch.set_num_threads(t)
                     readers.append(read_bandwidth_by_reader())
-                    bandwidths.append(max(readers[-1].values()))
+                    return max(readers[-1].values())
+
+                for round_ in range(repeats):
                     for b in batches:
                         order = (bundled, other) if (round_ + b) % 2 == 0 else (other, bundled)
+                        before = probe()
                         for side in order:
                             short_s, _ = side.run(prompts[:b], 1, t)
                             long_s, tokens = side.run(prompts[:b], new_tokens, t)
+                            after = probe()
                             cell = figures[(b, side.name)]
                             cell["rates"].append(decode_rate(b, new_tokens, short_s, long_s))
+                            cell["bandwidths"].append(max(before, after))
                             cell["tokens"] = tokens
                             if side is bundled:
                                 bytes_per_step[b].append(decode_bytes_per_step(side.last_steps))
-                bandwidth = max(bandwidths)
+                            before = after
+                best = max(max(r.values()) for r in readers)
                 for b in batches:
                     mine, theirs = figures[(b, bundled.name)], figures[(b, other.name)]
                     step_bytes = _median(bytes_per_step[b])
-                    roofline = b * bandwidth * 1e9 / step_bytes
+                    bandwidth = _median(mine["bandwidths"] + theirs["bandwidths"])
                     ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
+
+                    def engine_row(cell):
+                        fractions = [rate * step_bytes / (b * gb_s * 1e9)
+                                     for rate, gb_s in zip(cell["rates"], cell["bandwidths"])]
+                        return {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
+                                "bandwidth_gb_s_rounds": cell["bandwidths"], "roofline_fraction_rounds": fractions,
+                                "roofline_fraction": _median(fractions),
+                                "roofline_fraction_of_best_probe": _median(cell["rates"]) * step_bytes / (b * best * 1e9),
+                                "greedy_identical_to_transformers": identical_count(cell["tokens"], reference[:b]),
+                                "first_difference": first_difference(cell["tokens"], reference[:b])}
+
                     rows.append({
                         "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
-                        "bandwidth_gb_s_rounds": bandwidths, "bandwidth_by_reader_rounds": readers,
-                        "roofline_tok_s": roofline,
-                        "engines": {
-                            side: {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
-                                   "roofline_fraction": _median(cell["rates"]) / roofline,
-                                   "greedy_identical_to_transformers": identical_count(cell["tokens"], reference[:b]),
-                                   "first_difference": first_difference(cell["tokens"], reference[:b])}
-                            for side, cell in ((bundled.name, mine), (other.name, theirs))},
+                        "best_bandwidth_gb_s": best, "bandwidth_by_reader_probes": readers,
+                        "roofline_tok_s": b * bandwidth * 1e9 / step_bytes,
+                        "engines": {bundled.name: engine_row(mine), other.name: engine_row(theirs)},
                         "ratio_median": _median(ratios), "ratio_rounds": ratios,
                     })
         finally:
@@ -411,6 +428,11 @@ def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_
             f"{r['roofline_tok_s']:.1f}", f"{mine['roofline_fraction']:.0%}", f"{theirs['roofline_fraction']:.0%}",
             f"{mine['greedy_identical_to_transformers']}/{r['batch']}, {theirs['greedy_identical_to_transformers']}/{r['batch']}")
     console.print(table)
+    console.print("read GB/s: median of the probes taken beside the timed runs; % roof: median over rounds of each "
+                  "run's rate against the probes just before and after it. Against the run's best probe: " + "; ".join(
+                      f"{r['threads']}t b{r['batch']} {r['engines'][bundled.name]['roofline_fraction_of_best_probe']:.0%}"
+                      f" / {r['engines'][other.name]['roofline_fraction_of_best_probe']:.0%}" for r in rows)
+                  + f" ({bundled.name} / {other.name}, best {max(r['best_bandwidth_gb_s'] for r in rows):.1f} GB/s)")
     if isinstance(other, LlamaServerSide):
         pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
         console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")

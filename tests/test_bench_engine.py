@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 
 import pytest
@@ -70,8 +71,17 @@ def _check_manifest(path, other: str, batches, threads):
         assert row["bytes_per_step"] > 0 and row["bandwidth_gb_s"] > 0
         assert row["roofline_tok_s"] == pytest.approx(row["batch"] * row["bandwidth_gb_s"] * 1e9 / row["bytes_per_step"])
         assert set(row["engines"]) == {"moebench", other}
+        # a probe before each round's first run, and one after each run: 3 per round and batch
+        assert len(row["bandwidth_by_reader_probes"]) == 3 * manifest["repeats"] * len(batches)
+        assert row["best_bandwidth_gb_s"] == max(max(p.values()) for p in row["bandwidth_by_reader_probes"])
         for name, figures in row["engines"].items():
             assert len(figures["decode_tok_s_rounds"]) == manifest["repeats"]
+            # each run against the bandwidth of its own minute, and the median of those
+            paired = [rate * row["bytes_per_step"] / (row["batch"] * gb_s * 1e9)
+                      for rate, gb_s in zip(figures["decode_tok_s_rounds"], figures["bandwidth_gb_s_rounds"], strict=True)]
+            assert figures["roofline_fraction_rounds"] == pytest.approx(paired, nan_ok=True)  # NaN: no decode time
+            assert figures["roofline_fraction"] == pytest.approx(statistics.median(paired), nan_ok=True)
+            assert max(figures["bandwidth_gb_s_rounds"]) <= row["best_bandwidth_gb_s"]
             # A random tiny model's logits can nearly tie, so a long greedy path may split on float
             # reordering; the runtime's first tokens must agree with transformers', llama.cpp's
             # (other kernels, batched slots) its first one.
