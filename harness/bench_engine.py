@@ -431,8 +431,8 @@ def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_
     console.print("read GB/s: median of the probes taken beside the timed runs; % roof: median over rounds of each "
                   "run's rate against the probes just before and after it. Against the run's best probe: " + "; ".join(
                       f"{r['threads']}t b{r['batch']} {r['engines'][bundled.name]['roofline_fraction_of_best_probe']:.0%}"
-                      f" / {r['engines'][other.name]['roofline_fraction_of_best_probe']:.0%}" for r in rows)
-                  + f" ({bundled.name} / {other.name}, best {max(r['best_bandwidth_gb_s'] for r in rows):.1f} GB/s)")
+                      f" / {r['engines'][other.name]['roofline_fraction_of_best_probe']:.0%}"
+                      f" ({r['best_bandwidth_gb_s']:.1f} GB/s)" for r in rows) + f" ({bundled.name} / {other.name})")
     if isinstance(other, LlamaServerSide):
         pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
         console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")
