@@ -103,8 +103,8 @@ inline void dot_streams(const W* const* w, const float* const* x, int64_t K, flo
 template <RowSum F, int T, typename W, typename Row>
 inline void dot_rows_streamed(Row row, int64_t n, const float* const* x, int64_t K, float* o) {
   // Four runs for 2-3 tokens too, though their accumulators then outgrow the 16 ymm registers: the
-  // spills are L1 traffic, and two runs left the memory idle longer than spilling costs (gate/up
-  // rows of random experts, one thread: 2 tokens 10.7 -> 11.7 GB/s, 3 tokens 10.0 -> 12.5).
+  // spills are L1 traffic, and two runs left the memory idle longer than spilling costs
+  // (docs/cpu-decode.md, "Four runs for 2-3 tokens too").
   constexpr int S = 4;
   const int64_t q = n / S;
   for (int64_t i = 0; i < q; ++i) {
