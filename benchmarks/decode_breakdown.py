@@ -5,7 +5,10 @@ fused MoE kernel and the projections are C++ calls torch.profiler does not see i
 time of every thread of the process over the measured run is printed too (a helper thread burning
 CPU while the step waits shows there). Where a decode step's layers run as one native call
 (MoeTransformer.native_decode_layers) they are one part; MOEBENCH_DECODE_CHAINS=0 runs them one by
-one and splits them into attention, router and experts.
+one and splits them into attention, router and experts; the native call splits itself the same way
+(DecodeLayers.part_seconds, its own clock around each op). Where a part's weight bytes are fixed
+(the dense projections, the LM head) its read rate is printed too; the experts' bytes are the step's
+bytes less the dense ones.
 
     flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model DIR --threads 1,2 --batch 1,16
 
@@ -27,6 +30,7 @@ import torch
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine import model as model_module
 from moebench.engine import moe as moe_module
+from moebench.kernels import cpu_dense
 
 parts = defaultdict(float)
 timing = [False]  # only decode forwards are timed
@@ -53,8 +57,24 @@ def instrument(vocab_size: int) -> None:
     native_layers = transformer.native_decode_layers
 
     class TimedLayers:
+        """The native call timed as a whole, and split into its parts by its own clock."""
+
         def __init__(self, layers):
-            self.run = timed("every layer (one native call: attention, router, experts)", layers.run)
+            self.layers = layers
+
+        def run(self, *args):
+            if not timing[0]:
+                return self.layers.run(*args)
+            before = self.layers.part_seconds()
+            start = time.perf_counter()
+            result = self.layers.run(*args)
+            whole = time.perf_counter() - start
+            after = self.layers.part_seconds()
+            for name, seconds in after.items():
+                parts[f"layers: {name}"] += seconds - before[name]
+            parts["layers: the native call's own work (bookkeeping between its parts)"] += (
+                whole - sum(after.values()) + sum(before.values()))
+            return result
 
     def timed_native_layers(self):
         layers = native_layers(self)
@@ -84,6 +104,16 @@ def instrument(vocab_size: int) -> None:
         return result
 
     transformer.forward = timed_forward
+
+
+def weight_bytes(ckpt, step_bytes: float) -> dict[str, float]:
+    """Weight bytes a decode step reads in each part of the native call that has fixed ones, and
+    the experts' (the step's bytes less the dense ones)."""
+    def total(name):
+        return sum(getattr(w, name).numel() * getattr(w, name).element_size() for w in ckpt.layers)
+    dense = {"layers: qkv projection": total("qkv_proj"), "layers: output projection": total("o_proj"),
+             "layers: router": total("router"), "LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size()}
+    return {**dense, "layers: experts": step_bytes - sum(dense.values())}
 
 
 def thread_cpu_ms() -> dict[str, int]:
@@ -117,10 +147,12 @@ def main() -> None:
                                                       max_new_tokens=args.new_tokens))
             engine.generate([Request(f"w{i}", "", 4) for i in range(b)], prompt_ids=prompts[:b])  # warm-up
             parts.clear()
+            pool_before = cpu_dense.pool_stats() or {}
             cpu_before, wall_before = thread_cpu_ms(), time.perf_counter()
             result = engine.generate([Request(f"r{i}", "", args.new_tokens) for i in range(b)], prompt_ids=prompts[:b])
             wall_ms = (time.perf_counter() - wall_before) * 1000
             cpu_after = thread_cpu_ms()
+            pool = {key: value - pool_before.get(key, 0) for key, value in (cpu_dense.pool_stats() or {}).items()}
             decode = [s for s in result.steps if s["phase"] == "decode"]
             step_ms = sum(s["duration_s"] for s in decode) / len(decode) * 1000
             per_step = {name: seconds / len(decode) * 1000 for name, seconds in parts.items()}
@@ -132,8 +164,15 @@ def main() -> None:
             print(f"threads={threads} batch={b}: step {step_ms:.1f} ms, {b * 1000 / step_ms:.1f} tok/s, "
                   f"{decode[0]['bytes_read'] / 1e6:.0f} MB per step; thread CPU ms over the run "
                   f"({wall_ms:.0f} ms wall): {busy}")
+            if threads > 1 and pool.get("sections"):
+                steps = len(decode) + 1  # the prefill's sections too; a step is most of them
+                print(f"   thread pool over the run: {pool['sections'] / steps:.0f} parallel sections per step; "
+                      f"{pool['worker_sleeps'] / steps:.1f} worker sleeps and {pool['spins_refused'] / steps:.1f} "
+                      f"spins refused (more runnable threads than cores) per step")
+            part_bytes = weight_bytes(ckpt, decode[0]["bytes_read"])
             for name, ms in per_step.items():
-                print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%})")
+                rate = (f", {part_bytes[name] / ms / 1e6:.1f} GB/s" if name in part_bytes and ms > 0 else "")
+                print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%}{rate})")
             results[f"threads={threads} batch={b}"] = {"step_ms": step_ms, "parts_ms": per_step,
                                                        "bytes_per_step": decode[0]["bytes_read"]}
     if args.json:

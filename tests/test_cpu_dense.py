@@ -1,7 +1,7 @@
 """The decode step's dense projections (kernels/cpu_dense.py, csrc/dense_cpu.cpp) and its thread
 pool: `linear` against F.linear on odd shapes (every row and token remainder path), bfloat16
-weights widened exactly, bias, strided inputs, results independent of the thread count and of the
-rows a row is read beside, the pool's workers really taking items, the fallbacks (many rows, other
+weights widened exactly, bias, strided inputs, results independent of the thread count, of the
+rows a row is read beside and (from 4 tokens on) of the other tokens of the batch, the pool's workers really taking items, the fallbacks (many rows, other
 dtypes, the switch), and the read-in-runs bandwidth probe."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def _close(got, want):
     assert (got - want).abs().max().item() <= 2e-5 * scale * max(1.0, want.shape[-1] ** 0.5 / 8)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 16, 17])
-@pytest.mark.parametrize("m,k", [(1, 7), (3, 9), (8, 64), (13, 100), (67, 129), (300, 1024)])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 32])
+@pytest.mark.parametrize("m,k", [(1, 7), (3, 9), (8, 64), (13, 100), (67, 129), (300, 1024), (64, 1030)])
 def test_dense_linear_matches_f_linear(ext, n, m, k):
     g = torch.Generator().manual_seed(n * 1000 + m + k)
     x, w = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
@@ -49,6 +49,21 @@ def test_dense_linear_bias_and_strided_rows(ext):
     w = torch.randn(70, 200, generator=g)[:, :128]
     bias = torch.randn(70, generator=g)
     _close(ext.dense_linear(x, w, bias), F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("n", [5, 7, 8, 13, 16, 17, 20, 32])
+@pytest.mark.parametrize("k", [1024, 1030, 300])
+def test_with_4_tokens_or_more_a_token_does_not_depend_on_the_batch(ext, n, k):
+    """From 4 tokens on, each (row, token) is one accumulator over K in one order, however the
+    tokens are grouped and K is chunked (csrc/dense_cpu.cpp, kChunk): a token projected among n
+    others comes out bit for bit as among any 4."""
+    g = torch.Generator().manual_seed(n * 100 + k)
+    x, w = torch.randn(n, k, generator=g), torch.randn(130, k, generator=g)  # 2 items + 2 rows
+    batch = ext.dense_linear(x, w, None)
+    for t in range(n):
+        others = [(t + j) % n for j in range(1, 4)]
+        four = ext.dense_linear(x[[t] + others], w, None)
+        assert torch.equal(batch[t], four[0]), t
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

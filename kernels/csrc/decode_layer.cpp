@@ -12,6 +12,10 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <map>
+#include <string>
+
 namespace {
 
 // A decode step's attention sub-layer, from the input norm's output x to the next norm's:
@@ -72,15 +76,35 @@ class DecodeLayers {
                 "DecodeLayers.run: one K and one V cache per layer");
     std::vector<torch::Tensor> topk_ids;
     topk_ids.reserve(layers_.size());
+    PartClock clock(seconds_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
-      x = decode_attention_sublayer(h, x, w.qkv_w, w.qkv_b, w.q_norm, w.k_norm, eps_, cos, sin, positions, k[i], v[i],
-                                    slots, blocks, lens, block_size, scale_, window_, num_heads_, w.o_w, w.post_norm);
+      // decode_attention_sublayer's ops, each timed
+      auto qkv = dense_linear(x, w.qkv_w, w.qkv_b);
+      clock.lap(kQkv);
+      auto attention = decode_attention_block(qkv, w.q_norm, w.k_norm, eps_, cos, sin, positions, k[i], v[i], slots,
+                                              blocks, lens, block_size, scale_, window_, num_heads_);
+      clock.lap(kAttention);
+      auto projected = dense_linear(attention, w.o_w, c10::nullopt);
+      clock.lap(kOutput);
+      x = add_rms_norm(h, projected, w.post_norm, eps_);
+      clock.lap(kNorms);
       auto routed = route_decode(x, w.router, top_k_, renormalize_);
-      x = add_rms_norm(h, fused_moe(x, routed[0], routed[1], w.w13, w.w2), w.next_norm, eps_);
+      clock.lap(kRouter);
+      auto experts = fused_moe(x, routed[0], routed[1], w.w13, w.w2);
+      clock.lap(kExperts);
+      x = add_rms_norm(h, experts, w.next_norm, eps_);
+      clock.lap(kNorms);
       topk_ids.push_back(routed[1]);
     }
     return {x, topk_ids};
+  }
+
+  // Seconds spent in each part of run() since construction (benchmarks/decode_breakdown.py).
+  std::map<std::string, double> part_seconds() const {
+    std::map<std::string, double> out;
+    for (int p = 0; p < kParts; ++p) out[kPartNames[p]] = seconds_[p];
+    return out;
   }
 
  private:
@@ -89,7 +113,23 @@ class DecodeLayers {
     c10::optional<torch::Tensor> qkv_b, q_norm, k_norm;
     torch::Tensor o_w, post_norm, router, w13, w2, next_norm;
   };
+  // A steady clock read costs ~20 ns, against ~100 us for the shortest part of a layer.
+  enum Part { kQkv, kAttention, kOutput, kNorms, kRouter, kExperts, kParts };
+  static constexpr const char* kPartNames[kParts] = {"qkv projection", "attention", "output projection",
+                                                      "residual adds and norms", "router", "experts"};
+  struct PartClock {
+    explicit PartClock(double* seconds) : seconds(seconds), last(std::chrono::steady_clock::now()) {}
+    void lap(Part part) {
+      const auto now = std::chrono::steady_clock::now();
+      seconds[part] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+    double* seconds;
+    std::chrono::steady_clock::time_point last;
+  };
+
   std::vector<Layer> layers_;
+  mutable double seconds_[kParts] = {};
   double eps_, scale_;
   int64_t window_, num_heads_, top_k_;
   bool renormalize_;
@@ -105,7 +145,9 @@ void register_decode_layer(pybind11::module& m) {
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
                           double, int64_t, int64_t, int64_t, bool>())
-      .def("run", &DecodeLayers::run, "A decode step's layers: returns (final norm of h, top-k ids of each layer)");
+      .def("run", &DecodeLayers::run, "A decode step's layers: returns (final norm of h, top-k ids of each layer)")
+      .def("part_seconds", &DecodeLayers::part_seconds,
+           "Seconds run() has spent in each part (qkv projection, attention, ...) since construction");
   m.def("decode_attention_sublayer", &decode_attention_sublayer,
         "qkv projection, decode_attention_block, output projection and add_rms_norm in one call (float32)");
   m.def("route_decode", &route_decode, "Router projection, torch's softmax and route_topk in one call (float32)");

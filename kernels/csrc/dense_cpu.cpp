@@ -20,8 +20,9 @@
 // meets every token while it is in L1. Items are blocks of output rows; with up to 3 tokens the
 // block's rows are read as four runs side by side (four sequential streams, which one core reads
 // faster than one: dot_rows_streamed in cpu_common.h), with more, 4 rows x 3 tokens at a time (12
-// accumulators, each loaded weight vector feeds 3 FMAs). torch's matmul on these shapes (MKL)
-// reaches a fraction of the read bandwidth and uses the second thread poorly.
+// accumulators, each loaded weight vector feeds 3 FMAs) over chunks of K that stay in L1. torch's
+// matmul on these shapes (MKL) reaches a fraction of the read bandwidth and uses the second thread
+// poorly.
 
 #include "cpu_common.h"
 
@@ -72,11 +73,17 @@ bool machine_busy() {
   return field != nullptr && std::strtol(field, nullptr, 10) > cores;
 }
 
+std::atomic<int64_t> g_spins_refused{0};  // spins not begun because the machine was busy
+
 // Spins until ready() or `spin` has passed; false if it gave up (the caller then sleeps).
 template <class Ready>
 bool spin_until(Ready ready, std::chrono::microseconds spin) {
   if (ready()) return true;
-  if (spin.count() <= 0 || machine_busy()) return false;
+  if (spin.count() <= 0) return false;
+  if (machine_busy()) {
+    g_spins_refused.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
   const auto deadline = Clock::now() + spin;
   int rounds = 0;
   for (auto now = Clock::now(); now < deadline;) {
@@ -137,6 +144,7 @@ class Pool {
 
   int64_t worker_items() const { return worker_items_.load(std::memory_order_relaxed); }
   int64_t sections() const { return sections_.load(std::memory_order_relaxed); }
+  int64_t worker_sleeps() const { return worker_sleeps_.load(std::memory_order_relaxed); }
   int workers() const { return static_cast<int>(workers_.size()); }
 
  private:
@@ -172,6 +180,7 @@ class Pool {
     for (;;) {
       if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_)) {
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        worker_sleeps_.fetch_add(1, std::memory_order_relaxed);
         while (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(&generation_, seen);
         sleepers_.fetch_sub(1, std::memory_order_seq_cst);
       }
@@ -193,6 +202,7 @@ class Pool {
   int participants_ = 0;
   std::atomic<int64_t> worker_items_{0};
   std::atomic<int64_t> sections_{0};
+  std::atomic<int64_t> worker_sleeps_{0};
 };
 
 }  // namespace
@@ -227,33 +237,44 @@ using moebench_cpu::load8;
 using moebench_cpu::dot_rows_streamed;
 using moebench_cpu::parallel_for;
 
-// o[r * T + t] = dot(w row r, x row t) over K, R rows and T tokens (R * T + T + 1 ymm registers).
-// A single row is summed by dot_streams (RowSum::kDense) instead, with every number of tokens.
-template <int R, int T, typename W>
-inline void tile(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* o) {
-  __m256 acc[R][T];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+// 4+ tokens. Each (row, token) has one 8-lane accumulator over k (lane j takes k = j mod 8, in
+// increasing k), summed across lanes at the end, then the K % 8 tail; rows are taken 4 at a time
+// and tokens up to 3 at a time (12 accumulators). With the whole of K in one pass, the 4 rows and
+// the token groups (28 KB at K = 1024 for one group, more for the next) did not stay in L1 and the
+// FMAs waited on L2 (docs/cpu-decode.md, "Batch 16: the dense projections in L1"); so K is taken in
+// chunks, 4 rows' and up to 16 tokens' chunks (20 KB) staying in L1 while every token group passes
+// over them, the accumulators kept in memory between chunks. Below 8 tokens the FMAs do not wait
+// on L2 and K is one chunk. Neither chunks nor groups change which products an accumulator adds,
+// or in what order: the sums are those of one pass.
+constexpr int64_t kChunk = 256;          // K values per chunk
+constexpr int64_t kChunkFromTokens = 8;  // fewer tokens: K in one chunk
+constexpr int64_t kSlab = 16;            // tokens per pass over a row group's chunks
+
+// acc[r * lda + t] += w row r (rows ldw apart) times x row t (rows ldx apart) over [k0, k1), a
+// multiple of 8 long.
+template <int T, typename W>
+inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k0, int64_t k1, __m256* acc,
+                       int64_t lda) {
+  __m256 a[4][T];
 #pragma GCC unroll 4
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 3
+    for (int t = 0; t < T; ++t) a[r][t] = acc[r * lda + t];
+  for (int64_t k = k0; k < k1; k += 8) {
     __m256 xv[T];
-#pragma GCC unroll 4
+#pragma GCC unroll 3
     for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = load8(w + r * ldw + k);
 #pragma GCC unroll 4
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 wv = load8(w + r * ldw + k);
+#pragma GCC unroll 3
+      for (int t = 0; t < T; ++t) a[r][t] = _mm256_fmadd_ps(wv, xv[t], a[r][t]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      float s = hsum(acc[r][t]);
-      for (int64_t kk = k; kk < K; ++kk) s += load1(w + r * ldw + kk) * x[t * ldx + kk];
-      o[r * T + t] = s;
-    }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 3
+    for (int t = 0; t < T; ++t) acc[r * lda + t] = a[r][t];
 }
 
 constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
@@ -272,30 +293,35 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
         out[t * ldo + r0 + i] = rows_out[i * N + t] + (bias != nullptr ? bias[r0 + i] : 0.0f);
     return;
   }
-  // 4 rows x 3 tokens at a time, the 4 rows taken from four runs of the block read side by side
-  // (rows i, i + q, i + 2q, i + 3q), as with fewer tokens; the rows stay in L1 for the next tokens
-  const int64_t q = (r1 - r0) / 4;
-  float o[4 * 3];
-  auto store4 = [&](int64_t i, int64_t t0, int tokens) {
-    for (int g = 0; g < 4; ++g)
-      for (int t = 0; t < tokens; ++t) {
-        const int64_t row = r0 + i + g * q;
-        out[(t0 + t) * ldo + row] = o[g * tokens + t] + (bias != nullptr ? bias[row] : 0.0f);
-      }
-  };
+  // 4 rows at a time, taken from four runs of the block read side by side (rows i, i + q, i + 2q,
+  // i + 3q) as with fewer tokens, in chunks of K (see kChunk)
+  const int64_t q = (r1 - r0) / 4, K8 = K - K % 8, chunk = N >= kChunkFromTokens ? kChunk : std::max<int64_t>(K8, 8);
+  alignas(32) __m256 acc[4 * kSlab];
   for (int64_t i = 0; i < q; ++i) {
     const W* rows = w + (r0 + i) * ldw;
-    int64_t t = 0;
-    for (; t + 3 <= N; t += 3) {
-      tile<4, 3>(rows, q * ldw, x + t * ldx, ldx, K, o);
-      store4(i, t, 3);
-    }
-    if (N - t == 2) {
-      tile<4, 2>(rows, q * ldw, x + t * ldx, ldx, K, o);
-      store4(i, t, 2);
-    } else if (N - t == 1) {
-      tile<4, 1>(rows, q * ldw, x + t * ldx, ldx, K, o);
-      store4(i, t, 1);
+    for (int64_t s0 = 0; s0 < N; s0 += kSlab) {
+      const int64_t n = std::min(kSlab, N - s0);
+      const float* xs = x + s0 * ldx;
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      // groups of 3 tokens, and 2 pairs instead of a 3 and a 1 (a single token's 4 accumulators
+      // would wait on the FMA latency)
+      const int64_t threes = n % 3 == 1 && n >= 4 ? n - 4 : n - n % 3;
+      for (int64_t k0 = 0; k0 < K8; k0 += chunk) {
+        const int64_t k1 = std::min(K8, k0 + chunk);
+        int64_t t = 0;
+        for (; t < threes; t += 3) tile_chunk<3>(rows, q * ldw, xs + t * ldx, ldx, k0, k1, acc + t, kSlab);
+        for (; t + 2 <= n; t += 2) tile_chunk<2>(rows, q * ldw, xs + t * ldx, ldx, k0, k1, acc + t, kSlab);
+        if (t < n) tile_chunk<1>(rows, q * ldw, xs + t * ldx, ldx, k0, k1, acc + t, kSlab);
+      }
+      for (int g = 0; g < 4; ++g) {
+        const W* row = rows + g * q * ldw;
+        const int64_t r = r0 + i + g * q;
+        for (int64_t t = 0; t < n; ++t) {
+          float sum = hsum(acc[g * kSlab + t]);
+          for (int64_t kk = K8; kk < K; ++kk) sum += load1(row + kk) * xs[t * ldx + kk];
+          out[(s0 + t) * ldo + r] = sum + (bias != nullptr ? bias[r] : 0.0f);
+        }
+      }
     }
   }
   for (int64_t r = r0 + 4 * q; r < r1; ++r) {  // the rows left over: one at a time, token by token
@@ -391,6 +417,8 @@ pybind11::dict pool_stats() {
   d["workers"] = pool.workers();
   d["sections"] = pool.sections();
   d["worker_items"] = pool.worker_items();
+  d["worker_sleeps"] = pool.worker_sleeps();
+  d["spins_refused"] = moebench_cpu::g_spins_refused.load(std::memory_order_relaxed);
   return d;
 }
 
@@ -405,5 +433,6 @@ void register_dense(pybind11::module& m) {
   m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
-  m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers");
+  m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
+        "spins not begun because the machine had more runnable threads than cores");
 }
