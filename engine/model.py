@@ -282,7 +282,7 @@ class MoeTransformer:
         if not (self.decode_chains and hasattr(self.ops, "DecodeLayers")
                 and all(map(cfg.is_moe_layer, range(cfg.num_layers)))):
             return None
-        experts = self.moe_block.resident_experts() if hasattr(self.moe_block, "resident_experts") else None
+        experts = self.moe_block.resident_experts()
         if experts is None:
             return None
         optional = (lambda w: w) if cfg.qk_norm else (lambda w: None)

@@ -72,7 +72,7 @@ class FusedMoe(MoeKernel):
 
         return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2, self.backends)
 
-    def ran_natively(self, calls: int) -> None:
+    def count_native_calls(self, calls: int) -> None:
         """`calls` MoE layers ran the C++ kernel inside one native call of a decode step's layers
         (engine/model.py, MoeTransformer.native_decode_layers)."""
         from moebench.kernels.cpu_moe import BACKEND_CPP
@@ -174,7 +174,7 @@ class MoeBlock:
         for layer, ids in enumerate(topk_ids):
             self.stats.record(layer, ids)
             self.store.fetch(layer, ids)
-        self.kernel.ran_natively(len(topk_ids))
+        self.kernel.count_native_calls(len(topk_ids))
 
     def start(self, h: torch.Tensor) -> None:
         """A forward pass begins with these embeddings."""
