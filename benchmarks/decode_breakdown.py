@@ -7,8 +7,8 @@ CPU while the step waits shows there). Where a decode step's layers run as one n
 (MoeTransformer.native_decode_layers) they are one part; MOEBENCH_DECODE_CHAINS=0 runs them one by
 one and splits them into attention, router and experts; the native call splits itself the same way
 (DecodeLayers.part_seconds, its own clock around each op). Where a part's weight bytes are fixed
-(the dense projections, the LM head) its read rate is printed too; the experts' bytes are the step's
-bytes less the dense ones.
+(the dense projections, the LM head) its read rate is printed too, and the experts' from the
+distinct experts each step routed to.
 
     flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model DIR --threads 1,2 --batch 1,16
 
@@ -106,14 +106,19 @@ def instrument(vocab_size: int) -> None:
     transformer.forward = timed_forward
 
 
-def weight_bytes(ckpt, step_bytes: float) -> dict[str, float]:
-    """Weight bytes a decode step reads in each part of the native call that has fixed ones, and
-    the experts' (the step's bytes less the dense ones)."""
+def weight_bytes(ckpt, decode_steps: list[dict]) -> dict[str, float]:
+    """Weight bytes a decode step reads in each part of the native call: the dense projections'
+    and, from the steps' routing records, the routed experts' (distinct experts per layer, counted
+    as the engine's bytes_read counts them), averaged over the steps."""
     def total(name):
         return sum(getattr(w, name).numel() * getattr(w, name).element_size() for w in ckpt.layers)
-    dense = {"layers: qkv projection": total("qkv_proj"), "layers: output projection": total("o_proj"),
-             "layers: router": total("router"), "LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size()}
-    return {**dense, "layers: experts": step_bytes - sum(dense.values())}
+    cfg = ckpt.config
+    expert_bytes = (cfg.expert_param_count * ckpt.layers[0].w13.element_size()
+                    * sum(map(cfg.is_moe_layer, range(cfg.num_layers))))
+    distinct = sum(s["distinct_experts"] for s in decode_steps) / len(decode_steps)
+    return {"layers: qkv projection": total("qkv_proj"), "layers: output projection": total("o_proj"),
+            "layers: router": total("router"), "LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size(),
+            "layers: experts": distinct * expert_bytes}
 
 
 def thread_cpu_ms() -> dict[str, int]:
@@ -169,7 +174,7 @@ def main() -> None:
                 print(f"   thread pool over the run: {pool['sections'] / steps:.0f} parallel sections per step; "
                       f"{pool['worker_sleeps'] / steps:.1f} worker sleeps and {pool['spins_refused'] / steps:.1f} "
                       f"spins refused (more runnable threads than cores) per step")
-            part_bytes = weight_bytes(ckpt, decode[0]["bytes_read"])
+            part_bytes = weight_bytes(ckpt, decode)
             for name, ms in per_step.items():
                 rate = (f", {part_bytes[name] / ms / 1e6:.1f} GB/s" if name in part_bytes and ms > 0 else "")
                 print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%}{rate})")

@@ -1,8 +1,9 @@
 """The decode step's dense projections (kernels/cpu_dense.py, csrc/dense_cpu.cpp) and its thread
 pool: `linear` against F.linear on odd shapes (every row and token remainder path), bfloat16
 weights widened exactly, bias, strided inputs, results independent of the thread count, of the
-rows a row is read beside and (from 4 tokens on) of the other tokens of the batch, the pool's workers really taking items, the fallbacks (many rows, other
-dtypes, the switch), and the read-in-runs bandwidth probe."""
+rows a row is read beside and (from 4 tokens on) of the other tokens of the batch, the pool's
+workers really taking items, the fallbacks (many rows, other dtypes, the switch), and the
+read-in-runs bandwidth probe."""
 
 from __future__ import annotations
 
