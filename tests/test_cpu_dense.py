@@ -43,11 +43,12 @@ def test_dense_linear_matches_f_linear(ext, n, m, k):
     _close(ext.dense_linear(x, w), F.linear(x, w))
 
 
-def test_dense_linear_bias_and_strided_rows(ext):
-    g = torch.Generator().manual_seed(1)
-    big = torch.randn(5, 300, generator=g)
-    x = big[:, 10:138]  # rows 300 apart, last dimension contiguous
-    w = torch.randn(70, 200, generator=g)[:, :128]
+@pytest.mark.parametrize("n,k", [(5, 128), (17, 1030)])  # 17 tokens: two slabs of the packed copy
+def test_dense_linear_bias_and_strided_rows(ext, n, k):
+    g = torch.Generator().manual_seed(n)
+    big = torch.randn(n, k + 172, generator=g)
+    x = big[:, 10:10 + k]  # rows k + 172 apart, 40 bytes in: not 32-byte aligned
+    w = torch.randn(70, k + 72, generator=g)[:, :k]
     bias = torch.randn(70, generator=g)
     _close(ext.dense_linear(x, w, bias), F.linear(x, w, bias))
 

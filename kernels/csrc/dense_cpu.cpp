@@ -246,24 +246,57 @@ using moebench_cpu::parallel_for;
 // over them, the accumulators kept in memory between chunks. Below 8 tokens the FMAs do not wait
 // on L2 and K is one chunk. Neither chunks nor groups change which products an accumulator adds,
 // or in what order: the sums are those of one pass.
+//
+// The tokens are read from a packed copy (PackedTokens): rows of x a multiple of 4 KB apart (K =
+// 1024 float32) put every token's chunk in the same few L1 sets, with the weight rows (also 4 KB
+// apart), and the 20 lines a k-step's groups touch there did not fit the 8 ways: with every operand
+// in cache the tile ran at half the core's FMA peak, packed at two thirds (docs/cpu-decode.md, "The
+// tokens packed").
 constexpr int64_t kChunk = 256;          // K values per chunk
 constexpr int64_t kChunkFromTokens = 8;  // fewer tokens: K in one chunk
 constexpr int64_t kSlab = 16;            // tokens per pass over a row group's chunks
 
-// acc[r * lda + t] += w row r (rows ldw apart) times x row t (rows ldx apart) over [k0, k1), a
-// multiple of 8 long.
+// x's first K - K % 8 columns as [slab][k / 8][token in slab][8]: a k-step's 8 values of a slab's
+// tokens are 512 contiguous bytes, so the tokens' chunks fill consecutive L1 sets.
+class PackedTokens {
+ public:
+  PackedTokens(const float* x, int64_t ldx, int64_t N, int64_t K)
+      : steps_(K / 8), data_(static_cast<float*>(std::aligned_alloc(32, bytes(N, K)))) {
+    TORCH_CHECK(data_ != nullptr, "dense_linear: out of memory packing the tokens");
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t j = 0; j < steps_; ++j)
+        _mm256_store_ps(vector(t / kSlab, j, t % kSlab), _mm256_loadu_ps(x + t * ldx + 8 * j));
+  }
+  ~PackedTokens() { std::free(data_); }
+  PackedTokens(const PackedTokens&) = delete;
+  PackedTokens& operator=(const PackedTokens&) = delete;
+
+  // token t's (within slab s) 8 values of k-step j; the next k-step's are kStepFloats further on
+  float* vector(int64_t s, int64_t j, int64_t t) const { return data_ + ((s * steps_ + j) * kSlab + t) * 8; }
+  static constexpr int64_t kStepFloats = kSlab * 8;
+
+ private:
+  static size_t bytes(int64_t N, int64_t K) {
+    const int64_t slabs = (N + kSlab - 1) / kSlab;
+    return static_cast<size_t>(std::max<int64_t>(8, slabs * (K / 8) * kStepFloats)) * sizeof(float);
+  }
+  int64_t steps_;
+  float* data_;
+};
+
+// acc[r * lda + t] += w row r (rows ldw apart) times token t over [k0, k1), a multiple of 8 long;
+// x = token 0's vector of k-step k0 / 8 in PackedTokens.
 template <int T, typename W>
-inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k0, int64_t k1, __m256* acc,
-                       int64_t lda) {
+inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t k0, int64_t k1, __m256* acc, int64_t lda) {
   __m256 a[4][T];
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
 #pragma GCC unroll 3
     for (int t = 0; t < T; ++t) a[r][t] = acc[r * lda + t];
-  for (int64_t k = k0; k < k1; k += 8) {
+  for (int64_t k = k0; k < k1; k += 8, x += PackedTokens::kStepFloats) {
     __m256 xv[T];
 #pragma GCC unroll 3
-    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_load_ps(x + 8 * t);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const __m256 wv = load8(w + r * ldw + k);
@@ -281,8 +314,8 @@ constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
 
 // out[t, r] = dot(x[t], w[r]) (+ bias[r]) for rows [r0, r1) and all N tokens.
 template <typename W>
-void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw, const float* bias, int64_t K,
-                float* out, int64_t ldo, int64_t r0, int64_t r1) {
+void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t N, const W* w, int64_t ldw,
+                const float* bias, int64_t K, float* out, int64_t ldo, int64_t r0, int64_t r1) {
   if (N <= 3) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
     float rows_out[kRowsPerItem * 3];
     const float* xs[3] = {x, x + ldx, x + 2 * ldx};
@@ -309,9 +342,10 @@ void dense_rows(const float* x, int64_t ldx, int64_t N, const W* w, int64_t ldw,
       for (int64_t k0 = 0; k0 < K8; k0 += chunk) {
         const int64_t k1 = std::min(K8, k0 + chunk);
         int64_t t = 0;
-        for (; t < threes; t += 3) tile_chunk<3>(rows, q * ldw, xs + t * ldx, ldx, k0, k1, acc + t, kSlab);
-        for (; t + 2 <= n; t += 2) tile_chunk<2>(rows, q * ldw, xs + t * ldx, ldx, k0, k1, acc + t, kSlab);
-        if (t < n) tile_chunk<1>(rows, q * ldw, xs + t * ldx, ldx, k0, k1, acc + t, kSlab);
+        const float* xk = packed->vector(s0 / kSlab, k0 / 8, 0);
+        for (; t < threes; t += 3) tile_chunk<3>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
+        for (; t + 2 <= n; t += 2) tile_chunk<2>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
+        if (t < n) tile_chunk<1>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
       }
       for (int g = 0; g < 4; ++g) {
         const W* row = rows + g * q * ldw;
@@ -363,15 +397,19 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   // costs more to hand the work to than it saves
   const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
   pybind11::gil_scoped_release no_gil;
+  std::unique_ptr<PackedTokens> packed;
+  if (N > 3) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
   if (w.scalar_type() == torch::kFloat32) {
     const float* wp = w.data_ptr<float>();
     parallel_for(items, threads, [&](int64_t i) {
-      dense_rows(xp, ldx, N, wp, ldw, bp, K, op, M, i * kRowsPerItem, std::min(M, (i + 1) * kRowsPerItem));
+      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, K, op, M, i * kRowsPerItem,
+                 std::min(M, (i + 1) * kRowsPerItem));
     });
   } else {
     const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
     parallel_for(items, threads, [&](int64_t i) {
-      dense_rows(xp, ldx, N, wp, ldw, bp, K, op, M, i * kRowsPerItem, std::min(M, (i + 1) * kRowsPerItem));
+      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, K, op, M, i * kRowsPerItem,
+                 std::min(M, (i + 1) * kRowsPerItem));
     });
   }
   return out;
