@@ -118,6 +118,7 @@ def weight_bytes(ckpt, decode_steps: list[dict]) -> dict[str, float]:
     distinct = sum(s["distinct_experts"] for s in decode_steps) / len(decode_steps)
     return {"layers: qkv projection": total("qkv_proj"), "layers: output projection": total("o_proj"),
             "layers: router": total("router"), "LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size(),
+            "layers: LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size(),
             "layers: experts": distinct * expert_bytes}
 
 

@@ -192,6 +192,8 @@ class MoeTransformer:
         # decode steps by how their layers ran: all in one native call, or one by one (activation evidence)
         self.decode_steps: dict[str, int] = {}
         self._native_layers = None  # DecodeLayers, False where it does not apply, None until the first decode step
+        # the native call ends with the LM head where the kernel streams it (its logits are returned)
+        self._native_lm_head = cpu_dense.weight_streams(ckpt.lm_head)
         self.decode_chains = (self.ops is not None and hasattr(self.ops, "route_decode")
                               and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
                               and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
@@ -291,7 +293,8 @@ class MoeTransformer:
             [optional(w.k_norm) for w in layers], [w.o_proj for w in layers],
             [w.post_attention_norm for w in layers], [w.router for w in layers], [experts[i][0] for i in range(len(layers))],
             [experts[i][1] for i in range(len(layers))], [w.input_norm for w in layers[1:]] + [self.ckpt.final_norm],
-            cfg.rms_norm_eps, self.scale, cfg.sliding_window or 0, cfg.num_heads, cfg.top_k, cfg.norm_topk_prob)
+            cfg.rms_norm_eps, self.scale, cfg.sliding_window or 0, cfg.num_heads, cfg.top_k, cfg.norm_topk_prob,
+            self.ckpt.lm_head if self._native_lm_head else None)
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
@@ -347,8 +350,11 @@ class MoeTransformer:
                                      batch.context_blocks, batch.context_lens, kv.block_size, kv.k, kv.v)
             self.moe_block.ran_natively(topk_ids)
             self._count_attention("cpp-block", len(layers))
-            cpu_dense.count_chained(3 * len(layers))  # qkv, output and router projections
+            # qkv, output and router projections, and the LM head
+            cpu_dense.count_chained(3 * len(layers) + self._native_lm_head)
             self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
+            if self._native_lm_head:  # every sequence's one new token: x is the logits already
+                return x
             layers = []
         elif decode_block:
             self.decode_steps["layer-by-layer"] = self.decode_steps.get("layer-by-layer", 0) + 1

@@ -43,7 +43,8 @@ std::vector<torch::Tensor> route_decode(torch::Tensor x, torch::Tensor router_w,
 // Every layer of a decode step in one call, for a model whose layers are all MoE layers with their
 // experts resident (nothing for an expert store or a prefetcher to do between layers). Per layer:
 // the attention sub-layer chain, the router chain, fused_moe, then h += the MoE output and the next
-// RMSNorm (the next layer's input norm; after the last layer, the final norm) by add_rms_norm.
+// RMSNorm (the next layer's input norm; after the last layer, the final norm) by add_rms_norm; then,
+// where one is given, the LM head.
 // The weights are taken once, at construction; a step passes what changes: the residual stream,
 // the batch's index tensors, the RoPE tables (they grow) and the K/V caches.
 class DecodeLayers {
@@ -52,8 +53,10 @@ class DecodeLayers {
                std::vector<c10::optional<torch::Tensor>> q_norm, std::vector<c10::optional<torch::Tensor>> k_norm,
                std::vector<torch::Tensor> o_w, std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> router,
                std::vector<torch::Tensor> w13, std::vector<torch::Tensor> w2, std::vector<torch::Tensor> next_norm,
-               double eps, double scale, int64_t window, int64_t num_heads, int64_t top_k, bool renormalize)
-      : eps_(eps), scale_(scale), window_(window), num_heads_(num_heads), top_k_(top_k), renormalize_(renormalize) {
+               double eps, double scale, int64_t window, int64_t num_heads, int64_t top_k, bool renormalize,
+               c10::optional<torch::Tensor> lm_head)
+      : lm_head_(std::move(lm_head)), eps_(eps), scale_(scale), window_(window), num_heads_(num_heads), top_k_(top_k),
+        renormalize_(renormalize) {
     const size_t n = qkv_w.size();
     TORCH_CHECK(qkv_b.size() == n && q_norm.size() == n && k_norm.size() == n && o_w.size() == n &&
                     post_norm.size() == n && router.size() == n && w13.size() == n && w2.size() == n &&
@@ -65,7 +68,7 @@ class DecodeLayers {
   }
 
   // h [B, hidden] (updated in place) and x = the first layer's input norm of h. Returns the final
-  // norm's output and each layer's top-k expert ids.
+  // norm's output, or with an LM head its logits (float32 [B, vocab]), and each layer's top-k expert ids.
   std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(torch::Tensor h, torch::Tensor x, torch::Tensor cos,
                                                             torch::Tensor sin, torch::Tensor positions,
                                                             torch::Tensor slots, torch::Tensor blocks,
@@ -97,6 +100,10 @@ class DecodeLayers {
       clock.lap(kNorms);
       topk_ids.push_back(routed[1]);
     }
+    if (lm_head_.has_value()) {
+      x = dense_linear(x, *lm_head_, c10::nullopt);
+      clock.lap(kLmHead);
+    }
     return {x, topk_ids};
   }
 
@@ -114,9 +121,9 @@ class DecodeLayers {
     torch::Tensor o_w, post_norm, router, w13, w2, next_norm;
   };
   // A steady clock read costs ~20 ns, against ~100 us for the shortest part of a layer.
-  enum Part { kQkv, kAttention, kOutput, kNorms, kRouter, kExperts, kParts };
+  enum Part { kQkv, kAttention, kOutput, kNorms, kRouter, kExperts, kLmHead, kParts };
   static constexpr const char* kPartNames[kParts] = {"qkv projection", "attention", "output projection",
-                                                      "residual adds and norms", "router", "experts"};
+                                                      "residual adds and norms", "router", "experts", "LM head"};
   struct PartClock {
     explicit PartClock(double* seconds) : seconds(seconds), last(std::chrono::steady_clock::now()) {}
     void lap(Part part) {
@@ -129,6 +136,7 @@ class DecodeLayers {
   };
 
   std::vector<Layer> layers_;
+  c10::optional<torch::Tensor> lm_head_;
   mutable double seconds_[kParts] = {};
   double eps_, scale_;
   int64_t window_, num_heads_, top_k_;
@@ -144,8 +152,10 @@ void register_decode_layer(pybind11::module& m) {
                           std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
-                          double, int64_t, int64_t, int64_t, bool>())
-      .def("run", &DecodeLayers::run, "A decode step's layers: returns (final norm of h, top-k ids of each layer)")
+                          double, int64_t, int64_t, int64_t, bool, c10::optional<torch::Tensor>>(),
+           "weights of each layer, then eps, scale, window, heads, top_k, renormalize and the LM head (or None: run "
+           "returns the final norm's output)")
+      .def("run", &DecodeLayers::run, "A decode step's layers: returns (final norm of h, or the logits with an LM head; top-k ids of each layer)")
       .def("part_seconds", &DecodeLayers::part_seconds,
            "Seconds run() has spent in each part (qkv projection, attention, ...) since construction");
   m.def("decode_attention_sublayer", &decode_attention_sublayer,
