@@ -116,9 +116,9 @@ def weight_bytes(ckpt, decode_steps: list[dict]) -> dict[str, float]:
     expert_bytes = (cfg.expert_param_count * ckpt.layers[0].w13.element_size()
                     * sum(map(cfg.is_moe_layer, range(cfg.num_layers))))
     distinct = sum(s["distinct_experts"] for s in decode_steps) / len(decode_steps)
+    lm_head = ckpt.lm_head.numel() * ckpt.lm_head.element_size()  # in the native call, or after the layer loop
     return {"layers: qkv projection": total("qkv_proj"), "layers: output projection": total("o_proj"),
-            "layers: router": total("router"), "LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size(),
-            "layers: LM head": ckpt.lm_head.numel() * ckpt.lm_head.element_size(),
+            "layers: router": total("router"), "LM head": lm_head, "layers: LM head": lm_head,
             "layers: experts": distinct * expert_bytes}
 
 

@@ -351,7 +351,7 @@ class MoeTransformer:
             self.moe_block.ran_natively(topk_ids)
             self._count_attention("cpp-block", len(layers))
             # qkv, output and router projections, and the LM head
-            cpu_dense.count_chained(3 * len(layers) + self._native_lm_head)
+            cpu_dense.count_chained(3 * len(layers) + int(self._native_lm_head))
             self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
             if self._native_lm_head:  # every sequence's one new token: x is the logits already
                 return x

@@ -252,6 +252,7 @@ using moebench_cpu::parallel_for;
 // apart), and the 20 lines a k-step's groups touch there did not fit the 8 ways: with every operand
 // in cache the tile ran at half the core's FMA peak, packed at two thirds (docs/cpu-decode.md, "The
 // tokens packed").
+constexpr int64_t kStreamedTokens = 3;   // up to this many tokens: rows read as streams, x as it is
 constexpr int64_t kChunk = 256;          // K values per chunk
 constexpr int64_t kChunkFromTokens = 8;  // fewer tokens: K in one chunk
 constexpr int64_t kSlab = 16;            // tokens per pass over a row group's chunks
@@ -316,7 +317,7 @@ constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
 template <typename W>
 void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t N, const W* w, int64_t ldw,
                 const float* bias, int64_t K, float* out, int64_t ldo, int64_t r0, int64_t r1) {
-  if (N <= 3) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
+  if (N <= kStreamedTokens) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
     float rows_out[kRowsPerItem * 3];
     const float* xs[3] = {x, x + ldx, x + 2 * ldx};
     dot_rows_streamed<moebench_cpu::RowSum::kDense, W>([&](int64_t i) { return w + (r0 + i) * ldw; }, r1 - r0, N, xs,
@@ -398,7 +399,7 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
   pybind11::gil_scoped_release no_gil;
   std::unique_ptr<PackedTokens> packed;
-  if (N > 3) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
+  if (N > kStreamedTokens) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
   if (w.scalar_type() == torch::kFloat32) {
     const float* wp = w.data_ptr<float>();
     parallel_for(items, threads, [&](int64_t i) {
