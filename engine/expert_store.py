@@ -139,8 +139,13 @@ class ResidentStore(ExpertStore):
 
     def fetch(self, layer, topk_ids):
         w13, w2 = self.experts[layer]
-        self.counters.add("expert_hits", len(set(host_ids(topk_ids).ravel().tolist())))
+        self.count_hits(len(set(host_ids(topk_ids).ravel().tolist())))
         return w13, w2, topk_ids
+
+    def count_hits(self, distinct_experts: int) -> None:
+        """Look-ups of so many distinct experts, made without `fetch` (a native decode step's layers,
+        MoeBlock.ran_natively): all hits."""
+        self.counters.add("expert_hits", distinct_experts)
 
     def take_step(self):
         return self.counters.take_step()

@@ -100,7 +100,9 @@ def build_forward_batch(
     # one int64 buffer (array -> tensor is a copy of machine ints, unlike torch.tensor's per-item
     # parsing of a list), split into views
     flat = torch.frombuffer(array("q", input_ids + positions + slots + ctx_lens + blocks), dtype=torch.int64)
-    input_ids_t, positions_t, slots_t, ctx_t, blocks_t = flat.to(device).split([N, N, N, B, B * max_blocks])
+    if device != "cpu":  # (a call less per step on the CPU, where a small torch call costs ~10 us or more)
+        flat = flat.to(device)
+    input_ids_t, positions_t, slots_t, ctx_t, blocks_t = flat.split_with_sizes([N, N, N, B, B * max_blocks])
     return ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_t,
@@ -285,7 +287,7 @@ class MoeTransformer:
                 and all(map(cfg.is_moe_layer, range(cfg.num_layers)))):
             return None
         experts = self.moe_block.resident_experts()
-        if experts is None:
+        if experts is None or not self.ckpt.embed.is_contiguous():
             return None
         optional = (lambda w: w) if cfg.qk_norm else (lambda w: None)
         return self.ops.DecodeLayers(
@@ -294,7 +296,7 @@ class MoeTransformer:
             [w.post_attention_norm for w in layers], [w.router for w in layers], [experts[i][0] for i in range(len(layers))],
             [experts[i][1] for i in range(len(layers))], [w.input_norm for w in layers[1:]] + [self.ckpt.final_norm],
             cfg.rms_norm_eps, self.scale, cfg.sliding_window or 0, cfg.num_heads, cfg.top_k, cfg.norm_topk_prob,
-            self.ckpt.lm_head if self._native_lm_head else None)
+            self.ckpt.embed, layers[0].input_norm, self.ckpt.lm_head if self._native_lm_head else None)
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
@@ -319,6 +321,9 @@ class MoeTransformer:
         """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions).
         The MoE block adds its output to the residual stream itself (its prefetcher reads the stream)."""
         cfg = self.cfg
+        native = self.native_decode_step(batch, kv)
+        if native is not None:  # every layer in one call (the layer loop below, without the interpreter)
+            return self.forward_natively(native, batch, kv)
         h = self.ckpt.embed[batch.input_ids]
         self.moe_block.start(h)
         # every sequence has one new token in a decode step: it is already its last one
@@ -343,20 +348,7 @@ class MoeTransformer:
         decode_block = batch.max_q == 1 and self.fast_decode_attention
         rope_tables = None if decode_block else self.rope.tables(batch.positions, h.dtype, batch.max_position)
         x = add_norm(h, None, layers[0].input_norm, eps)
-        native = (self.native_decode_layers() if decode_block and cpu_dense.rows_stream(x)
-                  and kv.k[0].dtype == torch.float32 else None)
-        if native is not None:  # every layer in one call (the loop below, without the interpreter)
-            x, topk_ids = native.run(h, x, self.rope.cos, self.rope.sin, batch.positions, batch.slot_mapping,
-                                     batch.context_blocks, batch.context_lens, kv.block_size, kv.k, kv.v)
-            self.moe_block.ran_natively(topk_ids)
-            self._count_attention("cpp-block", len(layers))
-            # qkv, output and router projections, and the LM head
-            cpu_dense.count_chained(3 * len(layers) + int(self._native_lm_head))
-            self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
-            if self._native_lm_head:  # every sequence's one new token: x is the logits already
-                return x
-            layers = []
-        elif decode_block:
+        if decode_block:
             self.decode_steps["layer-by-layer"] = self.decode_steps.get("layer-by-layer", 0) + 1
         for i, w in enumerate(layers):
             x = self.attention_sublayer(h, x, i, batch, kv, rope_tables, w.post_attention_norm)
@@ -369,6 +361,33 @@ class MoeTransformer:
         if select:
             x = x[batch.last_token_index]
         return linear(x, self.ckpt.lm_head).float()
+
+    def native_decode_step(self, batch: ForwardBatch, kv: KVCache):
+        """DecodeLayers where this step's layers run in one native call: a decode step of few float32
+        rows on the CPU (the rows the dense kernel streams), the C++ decode attention on a float32
+        cache, and a model and MoE block it applies to (native_decode_layers). Else None."""
+        if not (self.ops is not None and batch.max_q == 1 and self.fast_decode_attention
+                and batch.batch_size <= cpu_dense.DENSE_MAX_ROWS and kv.k[0].dtype == torch.float32):
+            return None
+        return self.native_decode_layers()
+
+    def forward_natively(self, native, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """`forward` of a decode step in one call, from the token ids to the logits: the embeddings,
+        every layer, the final norm and, where the kernel streams it, the LM head. The MoE block is
+        told afterwards what its layers chose (MoeBlock.ran_natively); its prefetcher has no hooks to
+        run (MoeBlock.resident_experts), so neither has the embeddings' `start`."""
+        self.rope.ensure(batch.max_position)
+        x, topk_ids, distinct = native.run(batch.input_ids, self.rope.cos, self.rope.sin, batch.positions,
+                                           batch.slot_mapping, batch.context_blocks, batch.context_lens,
+                                           kv.block_size, kv.k, kv.v)
+        layers = len(topk_ids)
+        self.moe_block.ran_natively(topk_ids, distinct)
+        self._count_attention("cpp-block", layers)
+        # qkv, output and router projections, and the LM head
+        cpu_dense.count_chained(3 * layers + int(self._native_lm_head))
+        self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
+        # every sequence's one new token: with the LM head, x is the logits already
+        return x if self._native_lm_head else linear(x, self.ckpt.lm_head).float()
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")

@@ -167,13 +167,14 @@ class MoeBlock:
             return None
         return self.store.experts
 
-    def ran_natively(self, topk_ids: list[torch.Tensor]) -> None:
-        """A decode step's MoE layers 0.. ran inside one native call and chose these experts: what
-        each layer's call would have recorded (routing statistics, the store's look-ups, the kernel's
-        calls). The prefetcher's hooks are NoPrefetch's, which do nothing."""
+    def ran_natively(self, topk_ids: list[torch.Tensor], distinct_experts: list[int]) -> None:
+        """A decode step's MoE layers 0.. ran inside one native call and chose these experts (so many
+        distinct ones per layer): what each layer's call would have recorded (routing statistics, the
+        resident store's look-ups, all hits, the kernel's calls). The prefetcher's hooks are
+        NoPrefetch's, which do nothing."""
         for layer, ids in enumerate(topk_ids):
             self.stats.record(layer, ids)
-            self.store.fetch(layer, ids)
+        self.store.count_hits(sum(distinct_experts))
         self.kernel.count_native_calls(len(topk_ids))
 
     def start(self, h: torch.Tensor) -> None:

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <string>
 
@@ -54,9 +55,11 @@ class DecodeLayers {
                std::vector<torch::Tensor> o_w, std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> router,
                std::vector<torch::Tensor> w13, std::vector<torch::Tensor> w2, std::vector<torch::Tensor> next_norm,
                double eps, double scale, int64_t window, int64_t num_heads, int64_t top_k, bool renormalize,
-               c10::optional<torch::Tensor> lm_head)
-      : lm_head_(std::move(lm_head)), eps_(eps), scale_(scale), window_(window), num_heads_(num_heads), top_k_(top_k),
-        renormalize_(renormalize) {
+               torch::Tensor embed, torch::Tensor first_norm, c10::optional<torch::Tensor> lm_head)
+      : embed_(std::move(embed)), first_norm_(std::move(first_norm)), lm_head_(std::move(lm_head)), eps_(eps),
+        scale_(scale), window_(window), num_heads_(num_heads), top_k_(top_k), renormalize_(renormalize) {
+    TORCH_CHECK(embed_.dim() == 2 && embed_.scalar_type() == torch::kFloat32 && embed_.is_contiguous(),
+                "DecodeLayers: the embedding table must be contiguous float32 [vocab, hidden]");
     const size_t n = qkv_w.size();
     TORCH_CHECK(qkv_b.size() == n && q_norm.size() == n && k_norm.size() == n && o_w.size() == n &&
                     post_norm.size() == n && router.size() == n && w13.size() == n && w2.size() == n &&
@@ -67,19 +70,24 @@ class DecodeLayers {
                          next_norm[i]});
   }
 
-  // h [B, hidden] (updated in place) and x = the first layer's input norm of h. Returns the final
-  // norm's output, or with an LM head its logits (float32 [B, vocab]), and each layer's top-k expert ids.
-  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(torch::Tensor h, torch::Tensor x, torch::Tensor cos,
-                                                            torch::Tensor sin, torch::Tensor positions,
-                                                            torch::Tensor slots, torch::Tensor blocks,
-                                                            torch::Tensor lens, int64_t block_size,
-                                                            std::vector<torch::Tensor> k,
-                                                            std::vector<torch::Tensor> v) const {
+  // From the batch's token ids [B] (int64): their embeddings (the residual stream h) and the first
+  // layer's input norm, then every layer. Returns the final norm's output, or with an LM head its
+  // logits (float32 [B, vocab]); each layer's top-k expert ids; and each layer's number of distinct
+  // experts (what the expert store's look-ups count, MoeBlock.ran_natively).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>> run(
+      torch::Tensor input_ids, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
+      torch::Tensor blocks, torch::Tensor lens, int64_t block_size, std::vector<torch::Tensor> k,
+      std::vector<torch::Tensor> v) const {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(),
                 "DecodeLayers.run: one K and one V cache per layer");
-    std::vector<torch::Tensor> topk_ids;
-    topk_ids.reserve(layers_.size());
     PartClock clock(seconds_);
+    auto h = embeddings(input_ids);
+    auto x = add_rms_norm(h, c10::nullopt, first_norm_, eps_);
+    clock.lap(kNorms);
+    std::vector<torch::Tensor> topk_ids;
+    std::vector<int64_t> distinct;
+    topk_ids.reserve(layers_.size());
+    distinct.reserve(layers_.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
       // decode_attention_sublayer's ops, each timed
@@ -98,13 +106,14 @@ class DecodeLayers {
       clock.lap(kExperts);
       x = add_rms_norm(h, experts, w.next_norm, eps_);
       clock.lap(kNorms);
+      distinct.push_back(distinct_experts(routed[1], w.w13.size(0)));
       topk_ids.push_back(routed[1]);
     }
     if (lm_head_.has_value()) {
       x = dense_linear(x, *lm_head_, c10::nullopt);
       clock.lap(kLmHead);
     }
-    return {x, topk_ids};
+    return {x, topk_ids, distinct};
   }
 
   // Seconds spent in each part of run() since construction (benchmarks/decode_breakdown.py).
@@ -115,6 +124,31 @@ class DecodeLayers {
   }
 
  private:
+  // embed_'s rows of the token ids, as embed[input_ids] gives them
+  torch::Tensor embeddings(const torch::Tensor& input_ids) const {
+    auto ids = input_ids.to(torch::kInt64).contiguous();
+    const int64_t B = ids.numel(), D = embed_.size(1), V = embed_.size(0);
+    auto h = torch::empty({B, D}, embed_.options());
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ip[b] >= 0 && ip[b] < V, "DecodeLayers.run: token id ", ip[b], " outside the vocabulary of ", V);
+      std::memcpy(h.data_ptr<float>() + b * D, embed_.data_ptr<float>() + ip[b] * D, D * sizeof(float));
+    }
+    return h;
+  }
+
+  static int64_t distinct_experts(const torch::Tensor& ids, int64_t experts) {
+    std::vector<bool> seen(experts);
+    int64_t count = 0;
+    const int64_t* p = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i)
+      if (!seen[p[i]]) {
+        seen[p[i]] = true;
+        ++count;
+      }
+    return count;
+  }
+
   struct Layer {
     torch::Tensor qkv_w;
     c10::optional<torch::Tensor> qkv_b, q_norm, k_norm;
@@ -136,6 +170,7 @@ class DecodeLayers {
   };
 
   std::vector<Layer> layers_;
+  torch::Tensor embed_, first_norm_;
   c10::optional<torch::Tensor> lm_head_;
   mutable double seconds_[kParts] = {};
   double eps_, scale_;
@@ -152,10 +187,12 @@ void register_decode_layer(pybind11::module& m) {
                           std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
-                          double, int64_t, int64_t, int64_t, bool, c10::optional<torch::Tensor>>(),
-           "weights of each layer, then eps, scale, window, heads, top_k, renormalize and the LM head (or None: run "
-           "returns the final norm's output)")
-      .def("run", &DecodeLayers::run, "A decode step's layers: returns (final norm of h, or the logits with an LM head; top-k ids of each layer)")
+                          double, int64_t, int64_t, int64_t, bool, torch::Tensor, torch::Tensor,
+                          c10::optional<torch::Tensor>>(),
+           "weights of each layer, then eps, scale, window, heads, top_k, renormalize, the embedding table, the "
+           "first layer's input norm and the LM head (or None: run returns the final norm's output)")
+      .def("run", &DecodeLayers::run, "A decode step from its token ids: returns (the final norm's output, or the logits with an LM head; each "
+           "layer's top-k ids; each layer's number of distinct experts)")
       .def("part_seconds", &DecodeLayers::part_seconds,
            "Seconds run() has spent in each part (qkv projection, attention, ...) since construction");
   m.def("decode_attention_sublayer", &decode_attention_sublayer,
