@@ -196,6 +196,7 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
     step([0, 1, 2, 3], [seqs[0][-1:], seqs[1][-1:], seqs[2][-1:], seqs[3]])  # mixed
     for _ in range(6):  # decode
         step([0, 1, 2, 3], [seqs[i][-1:] for i in range(4)])
+    step([0, 1, 3], [seqs[i][-1:] for i in (0, 1, 3)])  # a smaller batch after them (DecodeLayers' workspaces)
     if calls is not None:
         calls.update(calls_seen)
         # what the steps recorded besides their logits, which must not depend on how they ran
@@ -233,18 +234,33 @@ def test_decode_chains_are_the_ops_one_by_one(tmp_path, ops, monkeypatch, name, 
         assert torch.equal(a, b)
     assert _same(chained_calls["recorded"], single_calls["recorded"])
     layers, moe_layers = ckpt.config.num_layers, sum(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers)))
-    assert single_calls["decode_steps"] == {"layer-by-layer": 6}
-    assert single_calls["decode_attention_block"] == 6 * layers
+    assert single_calls["decode_steps"] == {"layer-by-layer": 7}
+    assert single_calls["decode_attention_block"] == 7 * layers
     assert "decode_attention_sublayer" not in single_calls and "route_decode" not in single_calls
     assert "DecodeLayers" not in single_calls
-    if moe_layers == layers:  # the 6 decode steps' layers, each step in one call; routers of the other 2 steps
-        assert chained_calls["decode_steps"] == {"native-layers": 6} and chained_calls["DecodeLayers"] == 1
+    if moe_layers == layers:  # the 7 decode steps' layers, each step in one call; routers of the other 2 steps
+        assert chained_calls["decode_steps"] == {"native-layers": 7} and chained_calls["DecodeLayers"] == 1
         assert "decode_attention_sublayer" not in chained_calls
         assert chained_calls["route_decode"] == 2 * moe_layers
     else:
-        assert chained_calls["decode_steps"] == {"layer-by-layer": 6} and "DecodeLayers" not in chained_calls
-        assert chained_calls["decode_attention_sublayer"] == 6 * layers
-        assert chained_calls["route_decode"] == 8 * moe_layers  # every step's: at most 28 rows each
+        assert chained_calls["decode_steps"] == {"layer-by-layer": 7} and "DecodeLayers" not in chained_calls
+        assert chained_calls["decode_attention_sublayer"] == 7 * layers
+        assert chained_calls["route_decode"] == 9 * moe_layers  # every step's: at most 28 rows each
+
+
+def test_decode_layers_checks_the_weights_when_built(tmp_path, ops, monkeypatch):
+    """DecodeLayers takes the weights once and checks them then (a step only reads them): a router
+    that does not match the hidden size is refused at construction, in one line."""
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, "qwen3_e6_k2_norm"))
+    monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1")
+    model = MoeTransformer(ckpt, None)
+    cfg = ckpt.config
+    model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(),
+                               RoutingStats(cfg.num_layers, cfg.num_experts))
+    assert model._build_native_layers() is not None
+    ckpt.layers[1].router = ckpt.layers[1].router[:, :-1]
+    with pytest.raises(RuntimeError, match="DecodeLayers: router must be"):
+        model._build_native_layers()
 
 
 def _same(a, b) -> bool:

@@ -560,52 +560,71 @@ torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Ten
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
               "decode_attention_block: cos and sin must be contiguous float32 [positions, D] tables");
-  auto pos = positions.to(torch::kInt64).contiguous();
-  auto sl = slots.to(torch::kInt64).contiguous();
-  auto bt = blocks.to(torch::kInt64).contiguous();
-  auto ln = lens.to(torch::kInt64).contiguous();
-  TORCH_CHECK(pos.numel() == B && sl.numel() == B, "decode_attention_block: positions and slots must be [B]");
-  check_blocks(bt, ln, B, block_size, k.size(0));
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pp[b] >= 0 && pp[b] < cos.size(0), "decode_attention_block: position ", pp[b], " outside the table");
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < k.size(0), "decode_attention_block: slot ", sp[b], " outside the pool");
-  }
-
-  const float* x = qkv.data_ptr<float>();
-  const int64_t ld = qkv.stride(0);
-  const int64_t QK = H + KVH;  // heads that get RMSNorm and RoPE
-  std::vector<float> ms;
-  const float *qw = nullptr, *kw = nullptr;
+  const DecodeIndex index(positions, slots, blocks, lens, B, block_size, k.size(0), cos.size(0));
   torch::Tensor qwc, kwc;
   if (q_norm.has_value()) {
     qwc = q_norm->to(torch::kFloat32).contiguous();
     kwc = k_norm->to(torch::kFloat32).contiguous();
     TORCH_CHECK(qwc.numel() == D && kwc.numel() == D, "decode_attention_block: q_norm and k_norm must be [D]");
-    qw = qwc.data_ptr<float>();
-    kw = kwc.data_ptr<float>();
-    // rows of D values: head j of token b starts at b * ld + j * D
-    ms.resize(B * QK);
-    for (int64_t b = 0; b < B; ++b) mean_of_squares(x + b * ld, QK, D, D, ms.data() + b * QK);
   }
-  const float* msp = ms.empty() ? nullptr : ms.data();
-  const float epsf = static_cast<float>(eps);
   auto qr = torch::empty({B, H, D}, qkv.options());
-  float* qo = qr.data_ptr<float>();
+  auto out = torch::empty({B, H, D}, qkv.options());
+  std::vector<float> scratch(static_cast<size_t>(decode_attention_scratch(B, H, KVH, D)));
+  pybind11::gil_scoped_release no_gil;
+  decode_attention_into(index, qkv.data_ptr<float>(), qkv.stride(0), H, qwc.defined() ? qwc.data_ptr<float>() : nullptr,
+                        kwc.defined() ? kwc.data_ptr<float>() : nullptr, static_cast<float>(eps), cos.data_ptr<float>(),
+                        sin.data_ptr<float>(), k, v, static_cast<float>(scale), window, scratch.data(),
+                        qr.data_ptr<float>(), out.data_ptr<float>());
+  return out.view({B, H * D});
+}
+
+DecodeIndex::DecodeIndex(const torch::Tensor& positions_, const torch::Tensor& slots_, const torch::Tensor& blocks_,
+                         const torch::Tensor& lens_, int64_t batch_, int64_t block_size_, int64_t pool_slots,
+                         int64_t table_rows)
+    : positions(positions_.to(torch::kInt64).contiguous()),
+      slots(slots_.to(torch::kInt64).contiguous()),
+      blocks(blocks_.to(torch::kInt64).contiguous()),
+      lens(lens_.to(torch::kInt64).contiguous()),
+      batch(batch_),
+      block_size(block_size_),
+      pool_slots(pool_slots) {
+  TORCH_CHECK(positions.numel() == batch && slots.numel() == batch,
+              "decode_attention_block: positions and slots must be [B]");
+  check_blocks(blocks, lens, batch, block_size, pool_slots);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < table_rows, "decode_attention_block: position ", pp[b], " outside the table");
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < pool_slots, "decode_attention_block: slot ", sp[b], " outside the pool");
+  }
+}
+
+void decode_attention_into(const DecodeIndex& index, const float* x, int64_t ld, int64_t H, const float* qw,
+                           const float* kw, float eps, const float* cos, const float* sin, const torch::Tensor& k,
+                           const torch::Tensor& v, float scale, int64_t window, float* scratch, float* qo,
+                           float* out) {
+  const int64_t B = index.batch, KVH = k.size(1), D = k.size(2);
+  check_pools(k, v, D, H);
+  TORCH_CHECK(k.size(0) >= index.pool_slots, "decode_attention_block: the pool has fewer slots than the index was checked for");
+  const int64_t* pp = index.positions.data_ptr<int64_t>();
+  const int64_t* sp = index.slots.data_ptr<int64_t>();
+  const int64_t QK = H + KVH;  // heads that get RMSNorm and RoPE
+  float* ms = qw != nullptr ? scratch : nullptr;  // rows of D values: head j of token b starts at b * ld + j * D
+  float* normed = scratch + B * QK;
+  if (ms != nullptr)
+    for (int64_t b = 0; b < B; ++b) mean_of_squares(x + b * ld, QK, D, D, ms + b * QK);
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
-  std::vector<float> normed(D);
   for (int64_t b = 0; b < B; ++b) {
     const float* row = x + b * ld;
-    const float* c = cos.data_ptr<float>() + pp[b] * D;
-    const float* s = sin.data_ptr<float>() + pp[b] * D;
+    const float* c = cos + pp[b] * D;
+    const float* s = sin + pp[b] * D;
     for (int64_t j = 0; j < QK; ++j) {
       const float* head = row + j * D;
-      if (msp != nullptr) {
-        normalize_row(head, msp[b * QK + j], epsf, j < H ? qw : kw, normed.data(), D);
-        head = normed.data();
+      if (ms != nullptr) {
+        normalize_row(head, ms[b * QK + j], eps, j < H ? qw : kw, normed, D);
+        head = normed;
       }
       float* dst = j < H ? qo + (b * H + j) * D : kp + sp[b] * ks0 + (j - H) * ks1;
       rope_row(head, c, s, dst, D);
@@ -615,9 +634,9 @@ torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Ten
       std::copy(src, src + D, vp + sp[b] * ks0 + j * ks1);
     }
   }
-  auto out = torch::empty({B, H, D}, qkv.options());
-  run_attention(qr, k, v, bt, ln, out, block_size, scale, window);
-  return out.view({B, H * D});
+  decode_attention_rows(qo, kp, vp, index.blocks.data_ptr<int64_t>(), index.lens.data_ptr<int64_t>(), out, B, H, KVH,
+                        D, index.blocks.size(1), index.block_size, ks0, ks1, scale, window,
+                        moebench_cpu::step_threads());
 }
 
 // h += delta (when given), then RMSNorm of h with weight w: h + delta and F.rms_norm as torch
@@ -628,22 +647,24 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
   const int64_t N = h.size(0), D = h.size(1);
   auto wc = w.to(torch::kFloat32).contiguous();
   TORCH_CHECK(wc.numel() == D, "add_rms_norm: weight must be [D]");
-  float* hp = h.data_ptr<float>();
+  torch::Tensor dc;
   if (delta.has_value()) {
     TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == torch::kFloat32,
                 "add_rms_norm: delta must be float32 of h's shape");
-    auto dc = delta->contiguous();
-    add_rows(hp, dc.data_ptr<float>(), N * D);
+    dc = delta->contiguous();
   }
   std::vector<float> ms(N);
-  mean_of_squares(hp, N, D, D, ms.data());
   auto out = torch::empty({N, D}, h.options());
-  const float* msp = ms.data();
-  const float* wp = wc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float epsf = static_cast<float>(eps);
-  for (int64_t n = 0; n < N; ++n) normalize_row(hp + n * D, msp[n], epsf, wp, op + n * D, D);
+  add_rms_norm_into(h.data_ptr<float>(), dc.defined() ? dc.data_ptr<float>() : nullptr, wc.data_ptr<float>(), N, D,
+                    static_cast<float>(eps), out.data_ptr<float>(), ms.data());
   return out;
+}
+
+void add_rms_norm_into(float* h, const float* delta, const float* w, int64_t N, int64_t D, float eps, float* out,
+                       float* ms) {
+  if (delta != nullptr) add_rows(h, delta, N * D);
+  mean_of_squares(h, N, D, D, ms);
+  for (int64_t n = 0; n < N; ++n) normalize_row(h + n * D, ms[n], eps, w, out + n * D, D);
 }
 
 // Softmax router's top-k on probabilities [N, E] float32: the k largest per row, descending,
@@ -656,14 +677,17 @@ std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renor
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32, "route_topk: probs must be float32 [N, E]");
   const int64_t N = probs.size(0), E = probs.size(1);
   TORCH_CHECK(k >= 1 && k <= E, "route_topk: top_k=", k, " with ", E, " experts");
-  const SumFn torch_sum = renormalize && k > 2 ? calibrated_row_sum(k, N) : nullptr;
-  const bool torch_divides = renormalize && k > 2 && torch_sum == nullptr;
   auto p = probs.contiguous();
   auto weights = torch::empty({N, k}, p.options());
   auto ids = torch::empty({N, k}, p.options().dtype(torch::kInt64));
-  const float* pp = p.data_ptr<float>();
-  float* wp = weights.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
+  if (!route_topk_into(p.data_ptr<float>(), N, E, k, renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>()))
+    weights = weights / weights.sum({-1}, /*keepdim=*/true);  // the reference's own ops
+  return {weights, ids};
+}
+
+bool route_topk_into(const float* pp, int64_t N, int64_t E, int64_t k, bool renormalize, float* wp, int64_t* ip) {
+  const SumFn torch_sum = renormalize && k > 2 ? calibrated_row_sum(k, N) : nullptr;
+  const bool torch_divides = renormalize && k > 2 && torch_sum == nullptr;
   // a before b in a stable descending sort (NaN counts as the largest value)
   auto before = [](float a, int64_t ia, float b, int64_t ib) {
     const bool na = std::isnan(a), nb = std::isnan(b);
@@ -692,8 +716,7 @@ std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renor
       for (int64_t j = 0; j < k; ++j) w[j] = w[j] / sum;
     }
   }
-  if (torch_divides) weights = weights / weights.sum({-1}, /*keepdim=*/true);  // the reference's own ops
-  return {weights, ids};
+  return !torch_divides;
 }
 
 // A step's routing summary, as RoutingStats computed it with torch ops: ids[r] [tokens, k] int64

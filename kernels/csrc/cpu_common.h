@@ -143,3 +143,47 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
 std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renormalize);
 torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
                         torch::Tensor w2);
+
+// ---- the same ops into the caller's buffers ----------------------------------------------
+//
+// What the ops above compute, written into memory the caller owns, with no tensor made, converted
+// or checked and the GIL left as the caller has it (each op above checks its arguments, then calls
+// its `_into` core). DecodeLayers runs a whole step on these: inside a step every op starts with
+// caches that the weight stream has just flushed, and there one tensor allocation, dtype
+// conversion or dispatch costs tens of microseconds (docs/cpu-decode.md).
+
+// out [N, M] (contiguous) = x [N, K] (rows ldx apart) @ w.T (+ bias [M]); w as dense_linear takes it.
+void dense_linear_into(const float* x, int64_t ldx, int64_t N, int64_t K, const torch::Tensor& w, const float* bias,
+                       float* out);
+
+// h [N, D] += delta (when not null), then out [N, D] = RMSNorm(h) with weight w [D]; ms has N floats.
+void add_rms_norm_into(float* h, const float* delta, const float* w, int64_t N, int64_t D, float eps, float* out,
+                       float* ms);
+
+// route_topk on probs [N, E] into weights and ids [N, k]. False when renormalizing needs torch's own
+// division (no summation order reproduces its sum for this shape): the caller then divides.
+bool route_topk_into(const float* probs, int64_t N, int64_t E, int64_t k, bool renormalize, float* weights,
+                     int64_t* ids);
+
+// decode_attention_block's index tensors, as int64 and contiguous, checked against the RoPE table
+// and a pool's size: made once per step, read by every layer's decode_attention_into.
+struct DecodeIndex {
+  DecodeIndex(const torch::Tensor& positions, const torch::Tensor& slots, const torch::Tensor& blocks,
+              const torch::Tensor& lens, int64_t batch, int64_t block_size, int64_t pool_slots, int64_t table_rows);
+  torch::Tensor positions, slots, blocks, lens;
+  int64_t batch, block_size, pool_slots;
+};
+
+// Floats of scratch decode_attention_into needs for B tokens of H query and KVH key heads of D.
+inline int64_t decode_attention_scratch(int64_t B, int64_t H, int64_t KVH, int64_t D) { return B * (H + KVH) + D; }
+
+// decode_attention_block into q [B, H, D] (the rotated queries) and out [B, H * D]: qkv [B, ...]
+// rows ld apart; q_norm and k_norm [D] float32 or both null; cos and sin rows of D floats; k and v
+// the layer's pools (checked: cheap); scratch of decode_attention_scratch floats.
+void decode_attention_into(const DecodeIndex& index, const float* qkv, int64_t ld, int64_t H, const float* q_norm,
+                           const float* k_norm, float eps, const float* cos, const float* sin, const torch::Tensor& k,
+                           const torch::Tensor& v, float scale, int64_t window, float* scratch, float* q, float* out);
+
+// fused_moe into out [N, H] (contiguous): x [N, H] rows ldx apart, topk weights and ids [N, k].
+void fused_moe_into(const float* x, int64_t ldx, int64_t N, const float* topk_weights, const int64_t* topk_ids,
+                    int64_t k, const torch::Tensor& w13, const torch::Tensor& w2, float* out);

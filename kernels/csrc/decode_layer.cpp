@@ -46,8 +46,11 @@ std::vector<torch::Tensor> route_decode(torch::Tensor x, torch::Tensor router_w,
 // the attention sub-layer chain, the router chain, fused_moe, then h += the MoE output and the next
 // RMSNorm (the next layer's input norm; after the last layer, the final norm) by add_rms_norm; then,
 // where one is given, the LM head.
-// The weights are taken once, at construction; a step passes what changes: the residual stream,
-// the batch's index tensors, the RoPE tables (they grow) and the K/V caches.
+// The weights are taken (and checked, and converted to what the kernels read) once, at construction;
+// a step passes what changes: the token ids, the batch's index tensors, the RoPE tables (they grow)
+// and the K/V caches. A step's activations live in a workspace kept per batch size, and the ops
+// run through their `_into` cores (cpu_common.h): between the step's first checks and its returned
+// tensors no tensor is made and nothing is dispatched but torch's softmax, into the workspace.
 class DecodeLayers {
  public:
   DecodeLayers(std::vector<torch::Tensor> qkv_w, std::vector<c10::optional<torch::Tensor>> qkv_b,
@@ -56,18 +59,48 @@ class DecodeLayers {
                std::vector<torch::Tensor> w13, std::vector<torch::Tensor> w2, std::vector<torch::Tensor> next_norm,
                double eps, double scale, int64_t window, int64_t num_heads, int64_t top_k, bool renormalize,
                torch::Tensor embed, torch::Tensor first_norm, c10::optional<torch::Tensor> lm_head)
-      : embed_(std::move(embed)), first_norm_(std::move(first_norm)), lm_head_(std::move(lm_head)), eps_(eps),
-        scale_(scale), window_(window), num_heads_(num_heads), top_k_(top_k), renormalize_(renormalize) {
+      : embed_(std::move(embed)), lm_head_(std::move(lm_head)), eps_(eps), scale_(scale), window_(window),
+        num_heads_(num_heads), top_k_(top_k), renormalize_(renormalize) {
     TORCH_CHECK(embed_.dim() == 2 && embed_.scalar_type() == torch::kFloat32 && embed_.is_contiguous(),
                 "DecodeLayers: the embedding table must be contiguous float32 [vocab, hidden]");
     const size_t n = qkv_w.size();
-    TORCH_CHECK(qkv_b.size() == n && q_norm.size() == n && k_norm.size() == n && o_w.size() == n &&
+    TORCH_CHECK(n > 0 && qkv_b.size() == n && q_norm.size() == n && k_norm.size() == n && o_w.size() == n &&
                     post_norm.size() == n && router.size() == n && w13.size() == n && w2.size() == n &&
                     next_norm.size() == n,
                 "DecodeLayers: every weight list must have one entry per layer");
-    for (size_t i = 0; i < n; ++i)
-      layers_.push_back({qkv_w[i], qkv_b[i], q_norm[i], k_norm[i], o_w[i], post_norm[i], router[i], w13[i], w2[i],
-                         next_norm[i]});
+    hidden_ = embed_.size(1);
+    first_norm_ = vector_of(first_norm, hidden_, "first_norm");
+    experts_ = w13[0].size(0);
+    TORCH_CHECK(top_k_ >= 1 && top_k_ <= experts_, "DecodeLayers: top_k=", top_k_, " with ", experts_, " experts");
+    for (size_t i = 0; i < n; ++i) {
+      Layer l;
+      l.qkv_w = matrix(qkv_w[i], hidden_, "qkv_w");
+      qkv_rows_ = l.qkv_w.size(0);
+      if (qkv_b[i].has_value() && qkv_b[i]->defined()) l.qkv_b = vector_of(*qkv_b[i], qkv_rows_, "qkv_b");
+      TORCH_CHECK(q_norm[i].has_value() == k_norm[i].has_value(), "DecodeLayers: q_norm and k_norm go together");
+      l.o_w = matrix(o_w[i], o_w[i].size(1), "o_w");
+      TORCH_CHECK(l.o_w.size(0) == hidden_, "DecodeLayers: o_w must have hidden rows");
+      attention_width_ = l.o_w.size(1);
+      head_dim_ = attention_width_ / num_heads_;
+      TORCH_CHECK(head_dim_ * num_heads_ == attention_width_, "DecodeLayers: o_w's columns are not heads x head_dim");
+      if (q_norm[i].has_value()) {
+        l.q_norm = vector_of(*q_norm[i], head_dim_, "q_norm");
+        l.k_norm = vector_of(*k_norm[i], head_dim_, "k_norm");
+      }
+      l.post_norm = vector_of(post_norm[i], hidden_, "post_norm");
+      l.router = matrix(router[i], hidden_, "router");
+      TORCH_CHECK(l.router.size(0) == experts_, "DecodeLayers: every router must score the same experts");
+      TORCH_CHECK(w13[i].dim() == 3 && w2[i].dim() == 3 && w13[i].size(0) == experts_ && w2[i].size(0) == experts_ &&
+                      w13[i].size(2) == hidden_ && w2[i].size(1) == hidden_ && w13[i].size(1) == 2 * w2[i].size(2) &&
+                      w13[i].stride(2) == 1 && w2[i].stride(2) == 1 && w13[i].scalar_type() == w2[i].scalar_type() &&
+                      (w13[i].scalar_type() == torch::kFloat32 || w13[i].scalar_type() == torch::kBFloat16),
+                  "DecodeLayers: w13 must be [E, 2I, hidden] and w2 [E, hidden, I], float32 or bfloat16, rows contiguous");
+      l.w13 = w13[i];
+      l.w2 = w2[i];
+      l.next_norm = vector_of(next_norm[i], hidden_, "next_norm");
+      layers_.push_back(std::move(l));
+    }
+    if (lm_head_.has_value()) lm_head_ = matrix(*lm_head_, hidden_, "lm_head");
   }
 
   // From the batch's token ids [B] (int64): their embeddings (the residual stream h) and the first
@@ -78,42 +111,73 @@ class DecodeLayers {
       torch::Tensor input_ids, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
       torch::Tensor blocks, torch::Tensor lens, int64_t block_size, std::vector<torch::Tensor> k,
       std::vector<torch::Tensor> v) const {
-    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(),
+    const int64_t L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(static_cast<int64_t>(k.size()) == L && static_cast<int64_t>(v.size()) == L,
                 "DecodeLayers.run: one K and one V cache per layer");
     PartClock clock(seconds_);
-    auto h = embeddings(input_ids);
-    auto x = add_rms_norm(h, c10::nullopt, first_norm_, eps_);
-    clock.lap(kNorms);
+    const auto ids = input_ids.to(torch::kInt64).contiguous();
+    const int64_t B = ids.numel(), V = embed_.size(0), D = head_dim_;
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(ip[b] >= 0 && ip[b] < V, "DecodeLayers.run: token id ", ip[b], " outside the vocabulary of ", V);
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "DecodeLayers.run: cos and sin must be contiguous float32 [positions, head_dim] tables");
+    const int64_t kv_heads = k[0].size(1);
+    TORCH_CHECK(k[0].dim() == 3 && k[0].size(2) == D && qkv_rows_ == (num_heads_ + 2 * kv_heads) * D,
+                "DecodeLayers.run: the K/V caches' heads do not match the qkv projection");
+    for (int64_t i = 0; i < L; ++i)
+      TORCH_CHECK(k[i].sizes() == k[0].sizes() && v[i].sizes() == k[0].sizes(),
+                  "DecodeLayers.run: every layer's K and V cache must have one shape");
+    const DecodeIndex index(positions, slots, blocks, lens, B, block_size, k[0].size(0), cos.size(0));
+    Workspace& ws = workspace(B, kv_heads);
+    auto topk = torch::empty({L, B, top_k_}, ids.options());
+    auto result = torch::empty({B, lm_head_.has_value() ? lm_head_->size(0) : hidden_}, embed_.options());
+    std::vector<int64_t> distinct(L);
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    {
+      pybind11::gil_scoped_release no_gil;
+      float *h = ws.f(ws.h), *x = ws.f(ws.x);
+      for (int64_t b = 0; b < B; ++b)
+        std::memcpy(h + b * hidden_, embed_.data_ptr<float>() + ip[b] * hidden_, hidden_ * sizeof(float));
+      add_rms_norm_into(h, nullptr, first_norm_.data_ptr<float>(), B, hidden_, eps, x, ws.f(ws.ms));
+      clock.lap(kNorms);
+      for (int64_t i = 0; i < L; ++i) {
+        const Layer& w = layers_[i];
+        dense_linear_into(x, hidden_, B, hidden_, w.qkv_w, w.qkv_b.defined() ? w.qkv_b.data_ptr<float>() : nullptr,
+                          ws.f(ws.qkv));
+        clock.lap(kQkv);
+        decode_attention_into(index, ws.f(ws.qkv), qkv_rows_, num_heads_,
+                              w.q_norm.defined() ? w.q_norm.data_ptr<float>() : nullptr,
+                              w.k_norm.defined() ? w.k_norm.data_ptr<float>() : nullptr, eps, cos.data_ptr<float>(),
+                              sin.data_ptr<float>(), k[i], v[i], scale, window_, ws.f(ws.scratch), ws.f(ws.q),
+                              ws.f(ws.attention));
+        clock.lap(kAttention);
+        dense_linear_into(ws.f(ws.attention), attention_width_, B, attention_width_, w.o_w, nullptr,
+                          ws.f(ws.projected));
+        clock.lap(kOutput);
+        add_rms_norm_into(h, ws.f(ws.projected), w.post_norm.data_ptr<float>(), B, hidden_, eps, x, ws.f(ws.ms));
+        clock.lap(kNorms);
+        int64_t* layer_ids = topk.data_ptr<int64_t>() + i * B * top_k_;
+        route(w, x, B, ws, layer_ids);
+        clock.lap(kRouter);
+        fused_moe_into(x, hidden_, B, ws.f(ws.weights), layer_ids, top_k_, w.w13, w.w2, ws.f(ws.experts));
+        clock.lap(kExperts);
+        add_rms_norm_into(h, ws.f(ws.experts), w.next_norm.data_ptr<float>(), B, hidden_, eps, x, ws.f(ws.ms));
+        clock.lap(kNorms);
+        distinct[i] = distinct_experts(layer_ids, B * top_k_, ws.seen);
+      }
+      if (lm_head_.has_value()) {
+        dense_linear_into(x, hidden_, B, hidden_, *lm_head_, nullptr, result.data_ptr<float>());
+        clock.lap(kLmHead);
+      } else {
+        std::memcpy(result.data_ptr<float>(), x, B * hidden_ * sizeof(float));
+      }
+    }
     std::vector<torch::Tensor> topk_ids;
-    std::vector<int64_t> distinct;
-    topk_ids.reserve(layers_.size());
-    distinct.reserve(layers_.size());
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& w = layers_[i];
-      // decode_attention_sublayer's ops, each timed
-      auto qkv = dense_linear(x, w.qkv_w, w.qkv_b);
-      clock.lap(kQkv);
-      auto attention = decode_attention_block(qkv, w.q_norm, w.k_norm, eps_, cos, sin, positions, k[i], v[i], slots,
-                                              blocks, lens, block_size, scale_, window_, num_heads_);
-      clock.lap(kAttention);
-      auto projected = dense_linear(attention, w.o_w, c10::nullopt);
-      clock.lap(kOutput);
-      x = add_rms_norm(h, projected, w.post_norm, eps_);
-      clock.lap(kNorms);
-      auto routed = route_decode(x, w.router, top_k_, renormalize_);
-      clock.lap(kRouter);
-      auto experts = fused_moe(x, routed[0], routed[1], w.w13, w.w2);
-      clock.lap(kExperts);
-      x = add_rms_norm(h, experts, w.next_norm, eps_);
-      clock.lap(kNorms);
-      distinct.push_back(distinct_experts(routed[1], w.w13.size(0)));
-      topk_ids.push_back(routed[1]);
-    }
-    if (lm_head_.has_value()) {
-      x = dense_linear(x, *lm_head_, c10::nullopt);
-      clock.lap(kLmHead);
-    }
-    return {x, topk_ids, distinct};
+    topk_ids.reserve(L);
+    for (int64_t i = 0; i < L; ++i) topk_ids.push_back(topk[i]);
+    return {result, topk_ids, distinct};
   }
 
   // Seconds spent in each part of run() since construction (benchmarks/decode_breakdown.py).
@@ -124,36 +188,71 @@ class DecodeLayers {
   }
 
  private:
-  // embed_'s rows of the token ids, as embed[input_ids] gives them
-  torch::Tensor embeddings(const torch::Tensor& input_ids) const {
-    auto ids = input_ids.to(torch::kInt64).contiguous();
-    const int64_t B = ids.numel(), D = embed_.size(1), V = embed_.size(0);
-    auto h = torch::empty({B, D}, embed_.options());
-    const int64_t* ip = ids.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(ip[b] >= 0 && ip[b] < V, "DecodeLayers.run: token id ", ip[b], " outside the vocabulary of ", V);
-      std::memcpy(h.data_ptr<float>() + b * D, embed_.data_ptr<float>() + ip[b] * D, D * sizeof(float));
-    }
-    return h;
+  struct Layer {
+    torch::Tensor qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, router, w13, w2, next_norm;
+  };
+
+  // A step's activations for one batch size: float32 tensors, each [B, width] (see workspace()).
+  struct Workspace {
+    std::vector<torch::Tensor> tensors;
+    int h, x, qkv, q, attention, projected, logits, probs, weights, experts, ms, scratch;
+    std::vector<uint8_t> seen;
+    float* f(int which) { return tensors[which].data_ptr<float>(); }
+  };
+
+  Workspace& workspace(int64_t B, int64_t kv_heads) const {
+    auto it = workspaces_.find(B);
+    if (it != workspaces_.end()) return it->second;
+    Workspace ws;
+    auto add = [&](int64_t width) {
+      ws.tensors.push_back(torch::empty({B, width}, embed_.options()));
+      return static_cast<int>(ws.tensors.size() - 1);
+    };
+    ws.h = add(hidden_), ws.x = add(hidden_), ws.qkv = add(qkv_rows_), ws.q = add(attention_width_);
+    ws.attention = add(attention_width_), ws.projected = add(hidden_), ws.logits = add(experts_);
+    ws.probs = add(experts_), ws.weights = add(top_k_), ws.experts = add(hidden_), ws.ms = add(1);
+    ws.tensors.push_back(torch::empty({decode_attention_scratch(B, num_heads_, kv_heads, head_dim_)}, embed_.options()));
+    ws.scratch = static_cast<int>(ws.tensors.size() - 1);
+    ws.seen.resize(experts_);
+    return workspaces_.emplace(B, std::move(ws)).first->second;
   }
 
-  static int64_t distinct_experts(const torch::Tensor& ids, int64_t experts) {
-    std::vector<bool> seen(experts);
+  // The router chain (route_decode) into the workspace: logits, torch's softmax, route_topk.
+  void route(const Layer& w, const float* x, int64_t B, Workspace& ws, int64_t* ids) const {
+    dense_linear_into(x, hidden_, B, hidden_, w.router, nullptr, ws.f(ws.logits));
+    at::_softmax_out(ws.tensors[ws.probs], ws.tensors[ws.logits], 1, false);
+    if (!route_topk_into(ws.f(ws.probs), B, experts_, top_k_, renormalize_, ws.f(ws.weights), ids)) {
+      auto& weights = ws.tensors[ws.weights];
+      weights.copy_(weights / weights.sum({-1}, /*keepdim=*/true));  // the reference's own ops (route_topk)
+    }
+  }
+
+  static int64_t distinct_experts(const int64_t* ids, int64_t n, std::vector<uint8_t>& seen) {
+    std::fill(seen.begin(), seen.end(), 0);
     int64_t count = 0;
-    const int64_t* p = ids.data_ptr<int64_t>();
-    for (int64_t i = 0; i < ids.numel(); ++i)
-      if (!seen[p[i]]) {
-        seen[p[i]] = true;
+    for (int64_t i = 0; i < n; ++i)
+      if (!seen[ids[i]]) {
+        seen[ids[i]] = 1;
         ++count;
       }
     return count;
   }
 
-  struct Layer {
-    torch::Tensor qkv_w;
-    c10::optional<torch::Tensor> qkv_b, q_norm, k_norm;
-    torch::Tensor o_w, post_norm, router, w13, w2, next_norm;
-  };
+  // w as float32 [rows, cols] or bfloat16 with contiguous rows, as dense_linear reads it
+  static torch::Tensor matrix(const torch::Tensor& w, int64_t cols, const char* name) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == cols && w.stride(1) == 1 &&
+                    (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+                "DecodeLayers: ", name, " must be float32 or bfloat16 [rows, ", cols, "] with contiguous rows");
+    return w;
+  }
+
+  // w as the float32 contiguous [n] vector the ops convert it to
+  static torch::Tensor vector_of(const torch::Tensor& w, int64_t n, const char* name) {
+    auto c = w.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(c.numel() == n, "DecodeLayers: ", name, " must have ", n, " values");
+    return c;
+  }
+
   // A steady clock read costs ~20 ns, against ~100 us for the shortest part of a layer.
   enum Part { kQkv, kAttention, kOutput, kNorms, kRouter, kExperts, kLmHead, kParts };
   static constexpr const char* kPartNames[kParts] = {"qkv projection", "attention", "output projection",
@@ -172,6 +271,8 @@ class DecodeLayers {
   std::vector<Layer> layers_;
   torch::Tensor embed_, first_norm_;
   c10::optional<torch::Tensor> lm_head_;
+  int64_t hidden_ = 0, experts_ = 0, qkv_rows_ = 0, attention_width_ = 0, head_dim_ = 0;
+  mutable std::map<int64_t, Workspace> workspaces_;
   mutable double seconds_[kParts] = {};
   double eps_, scale_;
   int64_t window_, num_heads_, top_k_;

@@ -388,16 +388,20 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     TORCH_CHECK(b.numel() == M, "dense_linear: bias has ", b.numel(), " values for ", M, " rows");
   }
   auto out = torch::empty({N, M}, x.options());
-  if (N == 0 || M == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldw = w.stride(0);
+  pybind11::gil_scoped_release no_gil;
+  dense_linear_into(x.data_ptr<float>(), x.stride(0), N, K, w, b.defined() ? b.data_ptr<float>() : nullptr,
+                    out.data_ptr<float>());
+  return out;
+}
+
+void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const torch::Tensor& w, const float* bp,
+                       float* op) {
+  const int64_t M = w.size(0), ldw = w.stride(0);
+  if (N == 0 || M == 0) return;
   const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
   // one item's worth of weights is microseconds of work: below a few items a second thread
   // costs more to hand the work to than it saves
   const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
-  pybind11::gil_scoped_release no_gil;
   std::unique_ptr<PackedTokens> packed;
   if (N > kStreamedTokens) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
   if (w.scalar_type() == torch::kFloat32) {
@@ -413,7 +417,6 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
                  std::min(M, (i + 1) * kRowsPerItem));
     });
   }
-  return out;
 }
 
 namespace {

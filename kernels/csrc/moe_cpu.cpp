@@ -322,23 +322,25 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   TORCH_CHECK(ti.dim() == 2 && ti.size(0) == N && tw.sizes() == ti.sizes(),
               "fused_moe_cpu: topk_weights and topk_ids must both be [N, k]");
   auto out = torch::empty({N, H}, x.options());
-  if (N == 0) return out;
-  const int threads = moebench_cpu::step_threads();
-  {
-    // Release the GIL: a prefetch thread may load the next layer's experts meanwhile.
-    pybind11::gil_scoped_release no_gil;
-    if (w13.scalar_type() == torch::kFloat32) {
-      moe_forward<float>(x.data_ptr<float>(), x.stride(0), tw.data_ptr<float>(), ti.data_ptr<int64_t>(), N,
-                         ti.size(1), w13.data_ptr<float>(), w13.stride(0), w13.stride(1), w2.data_ptr<float>(),
-                         w2.stride(0), w2.stride(1), E, H, I, out.data_ptr<float>(), threads);
-    } else {
-      moe_forward<at::BFloat16>(x.data_ptr<float>(), x.stride(0), tw.data_ptr<float>(), ti.data_ptr<int64_t>(), N,
-                                ti.size(1), w13.data_ptr<at::BFloat16>(), w13.stride(0), w13.stride(1),
-                                w2.data_ptr<at::BFloat16>(), w2.stride(0), w2.stride(1), E, H, I,
-                                out.data_ptr<float>(), threads);
-    }
-  }
+  // Release the GIL: a prefetch thread may load the next layer's experts meanwhile.
+  pybind11::gil_scoped_release no_gil;
+  fused_moe_into(x.data_ptr<float>(), x.stride(0), N, tw.data_ptr<float>(), ti.data_ptr<int64_t>(), ti.size(1), w13,
+                 w2, out.data_ptr<float>());
   return out;
+}
+
+void fused_moe_into(const float* x, int64_t ldx, int64_t N, const float* tw, const int64_t* ti, int64_t k,
+                    const torch::Tensor& w13, const torch::Tensor& w2, float* out) {
+  if (N == 0) return;
+  const int64_t H = w13.size(2), E = w13.size(0), I = w13.size(1) / 2;
+  const int threads = moebench_cpu::step_threads();
+  if (w13.scalar_type() == torch::kFloat32) {
+    moe_forward<float>(x, ldx, tw, ti, N, k, w13.data_ptr<float>(), w13.stride(0), w13.stride(1),
+                       w2.data_ptr<float>(), w2.stride(0), w2.stride(1), E, H, I, out, threads);
+  } else {
+    moe_forward<at::BFloat16>(x, ldx, tw, ti, N, k, w13.data_ptr<at::BFloat16>(), w13.stride(0), w13.stride(1),
+                              w2.data_ptr<at::BFloat16>(), w2.stride(0), w2.stride(1), E, H, I, out, threads);
+  }
 }
 
 // attention_cpu.cpp, built into the same extension: decode attention and the small decode-step ops
