@@ -29,6 +29,7 @@ prompts (transformers runs once, batched, before any timing, and is then freed).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import statistics
@@ -247,6 +248,19 @@ def first_difference(tokens: list[list[int]], reference: list[list[int]]) -> lis
     return out
 
 
+def round_interval(values: list[float]) -> dict:
+    """The geometric mean of per-round values (ratios, roofline fractions) and its 95% Student t
+    interval on their logs, as `moebench run` gives its speedups: how far one run's figure can be
+    trusted when a cell's rounds spread by a third from minute to minute."""
+    from moebench import stats
+
+    usable = [v for v in values if v is not None and math.isfinite(v) and v > 0]  # NaN: a run with no decode time
+    if len(usable) < 2:
+        return {"geomean": None, "ci95": None}
+    centre, (low, high) = stats.trial_interval(usable)
+    return {"geomean": centre, "ci95": [low, high]}
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -288,10 +302,11 @@ def bench_engine_command(
     import torch  # here, not at the top: `moebench --help` imports this module
 
     from moebench.engine import load_checkpoint
-    from moebench.machine import describe_machine, read_bandwidth_by_reader
+    from moebench.machine import describe_machine, git_commit, package_versions, read_bandwidth_by_reader
     from moebench.random_models import make_random_qwen3_moe, write_char_tokenizer
 
     console = Console(width=None if sys.stdout.isatty() else 160)
+    commit = git_commit()  # the code the run starts with (the extension is built from it)
     batches = sorted(set(batch))
     with tempfile.TemporaryDirectory(prefix="moebench-bench-engine-") as tmp:
         tmp = Path(tmp)
@@ -366,6 +381,7 @@ def bench_engine_command(
                         return {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
                                 "bandwidth_gb_s_rounds": cell["bandwidths"], "roofline_fraction_rounds": fractions,
                                 "roofline_fraction": _median(fractions),
+                                "roofline_fraction_interval": round_interval(fractions),
                                 "roofline_fraction_of_best_probe": _median(cell["rates"]) * step_bytes / (b * best * 1e9),
                                 "greedy_identical_to_transformers": identical_count(cell["tokens"], reference[:b]),
                                 "first_difference": first_difference(cell["tokens"], reference[:b])}
@@ -376,6 +392,7 @@ def bench_engine_command(
                         "roofline_tok_s": b * bandwidth * 1e9 / step_bytes,
                         "engines": {bundled.name: engine_row(mine), other.name: engine_row(theirs)},
                         "ratio_median": _median(ratios), "ratio_rounds": ratios,
+                        "ratio_interval": round_interval(ratios),
                     })
         finally:
             if isinstance(other, LlamaServerSide):
@@ -386,7 +403,8 @@ def bench_engine_command(
             from moebench.fileio import atomic_write_json
 
             manifest = {
-                "schema": MANIFEST_SCHEMA, "vs": vs, "model": str(model) if model else "random qwen3_moe",
+                "schema": MANIFEST_SCHEMA, "git_commit": commit, "versions": package_versions(),
+                "vs": vs, "model": str(model) if model else "random qwen3_moe",
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                 "kernel": kernel, "scheduler": scheduler, "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
@@ -433,6 +451,21 @@ def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_
                       f"{r['threads']}t b{r['batch']} {r['engines'][bundled.name]['roofline_fraction_of_best_probe']:.0%}"
                       f" / {r['engines'][other.name]['roofline_fraction_of_best_probe']:.0%}"
                       f" ({r['best_bandwidth_gb_s']:.1f} GB/s)" for r in rows) + f" ({bundled.name} / {other.name})")
+    if repeats >= 2:
+        console.print(f"95% intervals over the {repeats} rounds (Student t on the logs of the per-round values; "
+                      "geometric mean [low, high]): " + "; ".join(
+                          f"{r['threads']}t b{r['batch']} ratio {_interval_text(r['ratio_interval'], 'x')}, "
+                          f"{bundled.name} % roof {_interval_text(r['engines'][bundled.name]['roofline_fraction_interval'], '%')}"
+                          for r in rows))
     if isinstance(other, LlamaServerSide):
         pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
         console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")
+
+
+def _interval_text(interval: dict, unit: str) -> str:
+    if interval["ci95"] is None:
+        return "n/a"
+    values = [interval["geomean"], *interval["ci95"]]
+    if unit == "%":
+        return "{:.0%} [{:.0%}, {:.0%}]".format(*values)
+    return "{:.2f}x [{:.2f}, {:.2f}]".format(*values)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from moebench.bench_engine import decode_rate, first_difference, identical_count
+from moebench.bench_engine import decode_rate, first_difference, identical_count, round_interval
 from moebench.cli import main
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
@@ -65,6 +65,7 @@ def test_missing_model_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
 def _check_manifest(path, other: str, batches, threads):
     manifest = json.loads(path.read_text())
     assert manifest["schema"] == "moebench.bench-engine/1" and manifest["vs"] == other
+    assert manifest["versions"]["torch"] and "git_commit" in manifest  # what ran (None outside a git checkout)
     assert sorted((r["threads"], r["batch"]) for r in manifest["rows"]) == sorted(
         (t, b) for t in threads for b in batches)
     for row in manifest["rows"]:
@@ -81,14 +82,77 @@ def _check_manifest(path, other: str, batches, threads):
                       for rate, gb_s in zip(figures["decode_tok_s_rounds"], figures["bandwidth_gb_s_rounds"], strict=True)]
             assert figures["roofline_fraction_rounds"] == pytest.approx(paired, nan_ok=True)  # NaN: no decode time
             assert figures["roofline_fraction"] == pytest.approx(statistics.median(paired), nan_ok=True)
+            _check_interval(figures["roofline_fraction_interval"], figures["roofline_fraction_rounds"])
             assert max(figures["bandwidth_gb_s_rounds"]) <= row["best_bandwidth_gb_s"]
             # A random tiny model's logits can nearly tie, so a long greedy path may split on float
             # reordering; the runtime's first tokens must agree with transformers', llama.cpp's
             # (other kernels, batched slots) its first one.
             agree = 2 if name == "moebench" else 1
             assert all(d is None or d >= agree for d in figures["first_difference"]), (name, figures)
+        _check_interval(row["ratio_interval"], row["ratio_rounds"])
     assert manifest["runtime_evidence"]["kernel"]["fused_calls"] > 0
     return manifest
+
+
+def _check_interval(interval, rounds):
+    """The geometric mean of the usable rounds and its t interval; none from fewer than two."""
+    usable = [v for v in rounds if math.isfinite(v) and v > 0]
+    if len(usable) < 2:
+        assert interval == {"geomean": None, "ci95": None}
+        return
+    assert interval["geomean"] == pytest.approx(math.exp(statistics.fmean(map(math.log, usable))))
+    low, high = interval["ci95"]
+    assert low <= interval["geomean"] <= high
+
+
+def test_round_interval_is_a_t_interval_on_the_logs():
+    centre = round_interval([0.8, 0.9, 1.0])
+    assert centre["geomean"] == pytest.approx((0.8 * 0.9 * 1.0) ** (1 / 3))
+    logs = [math.log(v) for v in (0.8, 0.9, 1.0)]
+    half = 4.302652729911275 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975, 2 degrees of freedom)
+    assert centre["ci95"] == pytest.approx([math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half)])
+    assert round_interval([0.8, float("nan")]) == {"geomean": None, "ci95": None}
+
+
+def _pool_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pool_bench_engine.py"
+    spec = importlib.util.spec_from_file_location("pool_bench_engine", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _manifest(prompt_len, ratios, fractions):
+    row = {"threads": 2, "batch": 1, "ratio_rounds": ratios, "engines": {
+        "moebench": {"roofline_fraction_rounds": fractions, "roofline_fraction": statistics.median(fractions)},
+        "llama.cpp": {"roofline_fraction_rounds": [f / r for f, r in zip(fractions, ratios)],
+                      "roofline_fraction": statistics.median(f / r for f, r in zip(fractions, ratios))}}}
+    return {"vs": "llama.cpp", "params": 10, "prompt_len": prompt_len, "new_tokens": 64, "kernel": "fused",
+            "scheduler": "static", "rows": [row]}
+
+
+def test_pooled_runs_are_every_round_of_every_run(tmp_path, capsys):
+    pool = _pool_script()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_manifest(128, [1.2, 1.4, 1.3], [0.7, 0.9, 0.8])))
+    b.write_text(json.dumps(_manifest(128, [1.1, 1.5], [0.6, 1.0])))
+    (cell,) = pool.pool(pool.load_runs([a, b]))
+    assert (cell["runs"], cell["rounds"]) == (2, 5)
+    assert cell["ratio_median"] == pytest.approx(1.3)
+    mine = cell["engines"]["moebench"]
+    assert mine["roofline_fraction"] == pytest.approx(0.8) and mine["run_medians"] == [0.8, 0.8]
+    assert mine["roofline_fraction_interval"] == round_interval([0.7, 0.9, 0.8, 0.6, 1.0])
+    assert pool.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "2 bench-engine runs pooled" in out and "warning: these runs are not all of one recorded commit" in out
+    other = tmp_path / "c.json"
+    other.write_text(json.dumps(_manifest(64, [1.0, 1.0], [0.5, 0.5])))
+    assert pool.main([str(a), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "differ in prompt_len" in err and len(err.strip().splitlines()) == 1
 
 
 def test_against_transformers_writes_the_figures(capsys, monkeypatch, tiny, tmp_path):
