@@ -456,7 +456,7 @@ def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_
                       "geometric mean [low, high]): " + "; ".join(
                           f"{r['threads']}t b{r['batch']} ratio {_interval_text(r['ratio_interval'], 'x')}, "
                           f"{bundled.name} % roof {_interval_text(r['engines'][bundled.name]['roofline_fraction_interval'], '%')}"
-                          for r in rows))
+                          for r in rows), markup=False)  # "[low, high]" is text, not a style tag
     if isinstance(other, LlamaServerSide):
         pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
         console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")

@@ -162,6 +162,7 @@ def test_against_transformers_writes_the_figures(capsys, monkeypatch, tiny, tmp_
                                 "--out", out)
     assert code in (0, None), err
     assert "roofline" in stdout
+    assert "geometric mean [low, high]" in " ".join(stdout.split())  # the intervals' legend, not eaten as markup
     manifest = _check_manifest(out, "transformers", [1, 3], [1])
     assert manifest["threads_reason"] == "given"
 
