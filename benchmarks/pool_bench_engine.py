@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from moebench.bench_engine import round_interval
+from moebench.bench_engine import interval_text, round_interval
 
 SAME = ("vs", "params", "prompt_len", "new_tokens", "kernel", "scheduler")
 
@@ -86,14 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(f"{name} % roof, pooled median", justify="right")
         table.add_column(f"{name} % roof, geomean [95%]", justify="right")
     for c in cells:
-        ratio = c["ratio_interval"]
         row = [str(c["threads"]), str(c["batch"]), str(c["rounds"]), f"{c['ratio_median']:.2f}x",
-               "n/a" if ratio["ci95"] is None else f"{ratio['geomean']:.2f}x [{ratio['ci95'][0]:.2f}, {ratio['ci95'][1]:.2f}]"]
+               interval_text(c["ratio_interval"], "x")]
         for name in names:
             e = c["engines"][name]
-            f = e["roofline_fraction_interval"]
             row += [", ".join(f"{m:.0%}" for m in e["run_medians"]), f"{e['roofline_fraction']:.0%}",
-                    "n/a" if f["ci95"] is None else f"{f['geomean']:.0%} [{f['ci95'][0]:.0%}, {f['ci95'][1]:.0%}]"]
+                    interval_text(e["roofline_fraction_interval"], "%")]
         table.add_row(*row)
     console = Console()
     console.print(table)

@@ -254,10 +254,9 @@ def round_interval(values: list[float]) -> dict:
     trusted when a cell's rounds spread by a third from minute to minute."""
     from moebench import stats
 
-    usable = [v for v in values if v is not None and math.isfinite(v) and v > 0]  # NaN: a run with no decode time
-    if len(usable) < 2:
+    centre, (low, high) = stats.trial_interval(values)  # NaN rounds (no decode time) left out
+    if not math.isfinite(low):  # fewer than two usable rounds
         return {"geomean": None, "ci95": None}
-    centre, (low, high) = stats.trial_interval(usable)
     return {"geomean": centre, "ci95": [low, high]}
 
 
@@ -454,15 +453,16 @@ def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_
     if repeats >= 2:
         console.print(f"95% intervals over the {repeats} rounds (Student t on the logs of the per-round values; "
                       "geometric mean [low, high]): " + "; ".join(
-                          f"{r['threads']}t b{r['batch']} ratio {_interval_text(r['ratio_interval'], 'x')}, "
-                          f"{bundled.name} % roof {_interval_text(r['engines'][bundled.name]['roofline_fraction_interval'], '%')}"
+                          f"{r['threads']}t b{r['batch']} ratio {interval_text(r['ratio_interval'], 'x')}, "
+                          f"{bundled.name} % roof {interval_text(r['engines'][bundled.name]['roofline_fraction_interval'], '%')}"
                           for r in rows), markup=False)  # "[low, high]" is text, not a style tag
     if isinstance(other, LlamaServerSide):
         pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
         console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")
 
 
-def _interval_text(interval: dict, unit: str) -> str:
+def interval_text(interval: dict, unit: str) -> str:
+    """A round_interval as "geomean [low, high]", unit "x" (ratios) or "%" (fractions)."""
     if interval["ci95"] is None:
         return "n/a"
     values = [interval["geomean"], *interval["ci95"]]

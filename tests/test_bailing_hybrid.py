@@ -16,6 +16,7 @@ from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel
 from moebench.engine.routing_stats import RoutingStats
 from moebench.errors import MoebenchError
+from benchmark_scripts import load_benchmark
 from tiny_bailing import SHAPES, add_mtp_layer, make_tiny_bailing
 
 PROMPT_LENGTHS = (5, 11, 37)  # the longest spans two prefill chunks of the KDA recurrence
@@ -345,25 +346,13 @@ def test_gguf_export_refuses_the_family_in_one_line(tmp_path):
         export_gguf(path, tmp_path / "out.gguf")
 
 
-def _benchmark(name: str):
-    """A script of benchmarks/ (outside the package) as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_joins_per_request_transformers_caches_into_the_batched_generate(tiny):
     """bench_bailing's way to compare at long prompts: transformers prefills each prompt alone, the
     caches are joined into one left-padded batch cache, generate() decodes from it. Its tokens must be
     those of one batched generate() with the prompts left-padded, and the engine's greedy ones."""
     from transformers import AutoModelForCausalLM
 
-    bench = _benchmark("bench_bailing")
+    bench = load_benchmark("bench_bailing")
     path, _, ids_list, _, greedy = tiny
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     batched = bench.hf_generate_batched(ref, ids_list, 12)
@@ -378,7 +367,7 @@ def test_bench_joins_per_request_transformers_caches_into_the_batched_generate(t
 def test_memory_benchmark_sees_a_constant_kda_state_and_growing_latents(tmp_path):
     """bailing_memory's per-request accounting on a tiny checkpoint: the KDA state does not grow with
     the sequence, the MLA latents grow by whole KV blocks."""
-    memory = _benchmark("bailing_memory")
+    memory = load_benchmark("bailing_memory")
     path = make_tiny_bailing(tmp_path / "mem", "g2_ngroup2_topk1")
     short, long = (memory.measure_one(path, n, 4, "naive", 1) for n in (24, 96))
     assert short["kda_bytes"] == long["kda_bytes"] > 0

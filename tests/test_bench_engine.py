@@ -15,6 +15,7 @@ import pytest
 
 from moebench.bench_engine import decode_rate, first_difference, identical_count, round_interval
 from moebench.cli import main
+from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 
@@ -114,17 +115,6 @@ def test_round_interval_is_a_t_interval_on_the_logs():
     assert round_interval([0.8, float("nan")]) == {"geomean": None, "ci95": None}
 
 
-def _pool_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pool_bench_engine.py"
-    spec = importlib.util.spec_from_file_location("pool_bench_engine", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _manifest(prompt_len, ratios, fractions):
     row = {"threads": 2, "batch": 1, "ratio_rounds": ratios, "engines": {
         "moebench": {"roofline_fraction_rounds": fractions, "roofline_fraction": statistics.median(fractions)},
@@ -135,7 +125,7 @@ def _manifest(prompt_len, ratios, fractions):
 
 
 def test_pooled_runs_are_every_round_of_every_run(tmp_path, capsys):
-    pool = _pool_script()
+    pool = load_benchmark("pool_bench_engine")
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_manifest(128, [1.2, 1.4, 1.3], [0.7, 0.9, 0.8])))
     b.write_text(json.dumps(_manifest(128, [1.1, 1.5], [0.6, 1.0])))

@@ -258,8 +258,13 @@ def test_decode_layers_checks_the_weights_when_built(tmp_path, ops, monkeypatch)
     model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(),
                                RoutingStats(cfg.num_layers, cfg.num_experts))
     assert model._build_native_layers() is not None
-    ckpt.layers[1].router = ckpt.layers[1].router[:, :-1]
+    router = ckpt.layers[1].router
+    ckpt.layers[1].router = router[:, :-1]
     with pytest.raises(RuntimeError, match="DecodeLayers: router must be"):
+        model._build_native_layers()
+    ckpt.layers[1].router = router
+    ckpt.layers[1].qkv_proj = ckpt.layers[1].qkv_proj[:-1]  # the step's workspace is sized from layer 0
+    with pytest.raises(RuntimeError, match="the first layer's shapes"):
         model._build_native_layers()
 
 

@@ -681,8 +681,12 @@ std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renor
   auto weights = torch::empty({N, k}, p.options());
   auto ids = torch::empty({N, k}, p.options().dtype(torch::kInt64));
   if (!route_topk_into(p.data_ptr<float>(), N, E, k, renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>()))
-    weights = weights / weights.sum({-1}, /*keepdim=*/true);  // the reference's own ops
+    renormalize_by_torch(weights);
   return {weights, ids};
+}
+
+void renormalize_by_torch(torch::Tensor& weights) {
+  weights.copy_(weights / weights.sum({-1}, /*keepdim=*/true));  // the reference's own ops
 }
 
 bool route_topk_into(const float* pp, int64_t N, int64_t E, int64_t k, bool renormalize, float* wp, int64_t* ip) {

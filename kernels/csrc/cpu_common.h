@@ -164,6 +164,8 @@ void add_rms_norm_into(float* h, const float* delta, const float* w, int64_t N, 
 // division (no summation order reproduces its sum for this shape): the caller then divides.
 bool route_topk_into(const float* probs, int64_t N, int64_t E, int64_t k, bool renormalize, float* weights,
                      int64_t* ids);
+// That division, in place: weights [N, k] /= their row sums, by torch's own ops.
+void renormalize_by_torch(torch::Tensor& weights);
 
 // decode_attention_block's index tensors, as int64 and contiguous, checked against the RoPE table
 // and a pool's size: made once per step, read by every layer's decode_attention_into.

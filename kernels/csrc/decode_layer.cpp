@@ -75,6 +75,9 @@ class DecodeLayers {
     for (size_t i = 0; i < n; ++i) {
       Layer l;
       l.qkv_w = matrix(qkv_w[i], hidden_, "qkv_w");
+      // the workspace is sized from the first layer's shapes: every layer must have them
+      TORCH_CHECK(i == 0 || (l.qkv_w.size(0) == qkv_rows_ && o_w[i].size(1) == attention_width_),
+                  "DecodeLayers: every layer's qkv_w and o_w must have the first layer's shapes");
       qkv_rows_ = l.qkv_w.size(0);
       if (qkv_b[i].has_value() && qkv_b[i]->defined()) l.qkv_b = vector_of(*qkv_b[i], qkv_rows_, "qkv_b");
       TORCH_CHECK(q_norm[i].has_value() == k_norm[i].has_value(), "DecodeLayers: q_norm and k_norm go together");
@@ -221,10 +224,8 @@ class DecodeLayers {
   void route(const Layer& w, const float* x, int64_t B, Workspace& ws, int64_t* ids) const {
     dense_linear_into(x, hidden_, B, hidden_, w.router, nullptr, ws.f(ws.logits));
     at::_softmax_out(ws.tensors[ws.probs], ws.tensors[ws.logits], 1, false);
-    if (!route_topk_into(ws.f(ws.probs), B, experts_, top_k_, renormalize_, ws.f(ws.weights), ids)) {
-      auto& weights = ws.tensors[ws.weights];
-      weights.copy_(weights / weights.sum({-1}, /*keepdim=*/true));  // the reference's own ops (route_topk)
-    }
+    if (!route_topk_into(ws.f(ws.probs), B, experts_, top_k_, renormalize_, ws.f(ws.weights), ids))
+      renormalize_by_torch(ws.tensors[ws.weights]);
   }
 
   static int64_t distinct_experts(const int64_t* ids, int64_t n, std::vector<uint8_t>& seen) {
