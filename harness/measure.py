@@ -90,14 +90,19 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
     requests = _requests(suite, items, longest)
     for i, request in enumerate(requests):
         request.max_new_tokens = max(2, longest * (1 + i % 3) // 3)
+    seen = {}  # config name -> its warm-up evidence, judged against the baseline's below
     for cfg in configs:
         runtime = runtime_for(base_runtime, cfg)
         with console.status(f"warm-up: {cfg.name}"):
             result = Engine(ckpt(cfg), tokenizer, runtime).generate(requests)
+        seen[cfg.name] = result.evidence
         # Every run, however small: only continuous batching's mid-flight admission depends on
         # the workload, and the engine itself says when it had no chance (not an error).
         if result.activation_errors:
             raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
+    from moebench.engines.discrimination import refuse_bundled_non_discriminating
+
+    refuse_bundled_non_discriminating(configs, seen, len(requests), base_runtime.batch_size)
 
 
 def trial_order(configs, trial: int) -> list:

@@ -54,7 +54,9 @@ class HttpBackend:
         return OpenAIEngine(base_url, self.options, self.served_model, self.tokenizer, server, start_evidence)
 
     @contextmanager
-    def session(self, cfg, label: str = ""):
+    def session(self, cfg, label: str = "", observe: dict | None = None):
+        """`observe`: endpoint paths per moment to read besides the configuration's own (the
+        baseline's answers to what the other configurations' evidence reads)."""
         if self.profiles is None:
             yield self._engine(self.base_url)
             return
@@ -65,6 +67,8 @@ class HttpBackend:
             server = self._start(cfg, "run" if keep else label)
             if keep:
                 self.running[cfg.name] = server
+        if observe:
+            server.observe = observe
         try:
             start_evidence = server.evidence("start")
             engine = self._engine(server.base_url, server, start_evidence)
@@ -78,16 +82,23 @@ class HttpBackend:
 
     def warm_up(self, suite, n_items: int) -> None:
         """Start each configuration once and prove its evidence before any trial is measured."""
+        from moebench.engines.discrimination import observed_paths, refuse_non_discriminating
         from moebench.errors import ActivationError
 
-        for cfg in self.configs:
-            with self.session(cfg, "warmup") as engine:
+        for i, cfg in enumerate(self.configs):
+            # the baseline's server also answers what the others' evidence reads, so that evidence
+            # can be judged against it before any other server starts
+            observe = observed_paths(self.configs[1:]) if i == 0 and self.profiles is not None else None
+            with self.session(cfg, "warmup", observe) as engine:
                 result = engine.generate(self.warmup_requests)
+                observed = engine.server.observed if engine.server is not None else None
             if result.failed_requests:
                 first = next(c.error for c in result.completions if c.error)
                 raise MoebenchError(f"config '{cfg.name}': {result.failed_requests} warm-up requests failed ({first})")
             if result.activation_errors:
                 raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
+            if observe is not None:
+                refuse_non_discriminating(self.profiles.path, cfg, self.configs[1:], observed)
 
     def describe(self) -> dict:
         d = {"engine": "openai", "options": vars(self.options), "served_model": self.served_model,

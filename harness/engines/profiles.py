@@ -14,7 +14,7 @@ from pathlib import Path
 
 from moebench.errors import MoebenchError
 
-CONDITIONS = ("equals", "matches", "at_least")
+CONDITIONS = ("equals", "matches", "at_least", "above")
 WHEN = ("start", "end")
 
 
@@ -26,6 +26,7 @@ class EndpointCheck:
     condition: str  # one of CONDITIONS
     expected: object
     when: str = "start"
+    shared: bool = False  # holds for the baseline too, on purpose (not counted as proof)
 
     @property
     def label(self) -> str:
@@ -38,6 +39,7 @@ class Evidence:
     log_must: tuple[str, ...] = ()
     log_must_not: tuple[str, ...] = ()
     endpoints: tuple[EndpointCheck, ...] = ()
+    log_shared: frozenset = frozenset()  # log_must patterns marked shared = true
 
     @property
     def empty(self) -> bool:
@@ -73,6 +75,17 @@ class ProfileFile:
     server: dict
     profiles: list[Profile]  # the baseline first
     sha256: str
+    checked: dict = field(default_factory=dict)  # [checked]: the engine version, recorded lines
+
+    @property
+    def baseline(self) -> Profile:
+        return self.profiles[0]
+
+    @property
+    def recorded_dir(self) -> Path | None:
+        """The recorded log lines and endpoint payloads the profile was checked against."""
+        recorded = self.checked.get("recorded")
+        return (self.path.parent / recorded).resolve() if recorded else None
 
     @property
     def health(self) -> str:
@@ -134,7 +147,43 @@ def _endpoint(path: Path, where: str, raw) -> EndpointCheck:
     when = raw.get("when", "start")
     if when not in WHEN:
         _fail(path, f"{where}: when must be one of {', '.join(WHEN)}")
-    return EndpointCheck(raw["path"], raw.get("field"), raw.get("metric"), cond, raw[cond], when)
+    unknown = set(raw) - {"path", "field", "metric", "when", "shared", *CONDITIONS}
+    if unknown:
+        _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    if cond in ("at_least", "above") and not isinstance(raw[cond], (int, float)):
+        _fail(path, f"{where}: {cond} needs a number")
+    return EndpointCheck(raw["path"], raw.get("field"), raw.get("metric"), cond, raw[cond], when,
+                         _shared(path, where, raw))
+
+
+def _shared(path: Path, where: str, raw: dict) -> bool:
+    shared = raw.get("shared", False)
+    if not isinstance(shared, bool):
+        _fail(path, f"{where}: shared must be true or false")
+    return shared
+
+
+def _log_must(path: Path, where: str, value) -> tuple[tuple[str, ...], frozenset]:
+    """log_must entries: a regex, or a table { pattern = '...', shared = true } for a line that
+    the baseline prints too and that is required on purpose (a readiness line, say)."""
+    if value is None:
+        return (), frozenset()
+    if not isinstance(value, list):
+        _fail(path, f"{where} must be a list of regexes or {{ pattern = '...', shared = true }} tables")
+    patterns, shared = [], set()
+    for i, entry in enumerate(value):
+        if isinstance(entry, dict):
+            unknown = set(entry) - {"pattern", "shared"}
+            if unknown or not isinstance(entry.get("pattern"), str):
+                _fail(path, f"{where}[{i}]: a table entry needs 'pattern' (and optionally 'shared')")
+            patterns.append(entry["pattern"])
+            if _shared(path, f"{where}[{i}]", entry):
+                shared.add(entry["pattern"])
+        elif isinstance(entry, str):
+            patterns.append(entry)
+        else:
+            _fail(path, f"{where}[{i}] must be a regex or a {{ pattern = '...' }} table")
+    return tuple(patterns), frozenset(shared)
 
 
 def _evidence(path: Path, where: str, raw) -> Evidence:
@@ -145,7 +194,7 @@ def _evidence(path: Path, where: str, raw) -> Evidence:
     unknown = set(raw) - {"log_must", "log_must_not", "endpoint"}
     if unknown:
         _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    log_must = _strings(path, f"{where}.log_must", raw.get("log_must"))
+    log_must, log_shared = _log_must(path, f"{where}.log_must", raw.get("log_must"))
     log_must_not = _strings(path, f"{where}.log_must_not", raw.get("log_must_not"))
     for pattern in log_must + log_must_not:
         try:
@@ -156,7 +205,7 @@ def _evidence(path: Path, where: str, raw) -> Evidence:
     if not isinstance(endpoints, list):
         _fail(path, f"{where}.endpoint must be an array of tables ([[profile.evidence.endpoint]])")
     checks = tuple(_endpoint(path, f"{where}.endpoint[{i}]", e) for i, e in enumerate(endpoints))
-    return Evidence(log_must, log_must_not, checks)
+    return Evidence(log_must, log_must_not, checks, log_shared)
 
 
 def load_profiles(path: Path) -> ProfileFile:
@@ -206,5 +255,9 @@ def load_profiles(path: Path) -> ProfileFile:
     if baseline.approximate:
         _fail(path, f"the baseline profile {baseline.name!r} cannot be approximate")
     profiles.remove(baseline)
+    checked = raw.get("checked", {})
+    if not isinstance(checked, dict) or set(checked) - {"engine", "recorded"} or \
+            not all(isinstance(v, str) for v in checked.values()):
+        _fail(path, "[checked] takes engine = 'name version' and recorded = 'a folder of recorded lines'")
     return ProfileFile(path, str(raw.get("description", "")), server, [baseline] + profiles,
-                       hashlib.sha256(data).hexdigest())
+                       hashlib.sha256(data).hexdigest(), dict(checked))

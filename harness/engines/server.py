@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import os
 import re
 import signal
@@ -16,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from moebench.engines.profiles import EndpointCheck, Evidence, Profile
+from moebench.engines.evidence import Observation, evaluate, json_field, prometheus_value  # noqa: F401
+from moebench.engines.profiles import Evidence, Profile
 from moebench.errors import MoebenchError
 from moebench.processes import die_with_parent
 
@@ -95,6 +95,8 @@ class ServerProcess:
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.started_s: float | None = None
+        self.observe: dict[str, set[str]] = {}  # extra endpoint paths to read, per moment
+        self.observed = Observation("", source=str(log_path))
 
     @property
     def base_url(self) -> str:
@@ -180,82 +182,27 @@ class ServerProcess:
     def evidence(self, when: str) -> tuple[dict, list[str]]:
         """Check the profile's evidence against the server itself: at "start" (healthy) its
         endpoints marked start; at "end" (the work done) the log regexes and the endpoints marked
-        end. Returns what was seen and the failures (none when the configuration counts)."""
+        end. Returns what was seen and the failures (none when the configuration counts). The
+        bodies read are kept in `observed`, with those of the paths in `observe[when]` (what
+        other configurations' evidence reads, when this server is the baseline)."""
         ev: Evidence = self.profile.evidence
-        seen: dict = {}
-        errors: list[str] = []
-        if when == "end":  # the log is whole only once the server has done the work
-            log = self.log_text()
-            for pattern in ev.log_must:
-                match = re.search(pattern, log, re.MULTILINE)
-                seen[f"log ~ {pattern}"] = match.group(0).strip()[:200] if match else None
-                if not match:
-                    errors.append(f"server log has no match for {pattern!r} ({self.log_path})")
-            for pattern in ev.log_must_not:
-                match = re.search(pattern, log, re.MULTILINE)
-                seen[f"log !~ {pattern}"] = match.group(0).strip()[:200] if match else None
-                if match:
-                    errors.append(f"server log matches the forbidden {pattern!r}: {match.group(0).strip()[:120]!r}")
-        for check in ev.endpoints:
-            if check.when != when:
-                continue
-            value, problem = self._read(check)
-            seen[check.label] = value
-            if problem:
-                errors.append(problem)
-            elif not _holds(check, value):
-                errors.append(f"{check.path}: {check.field or check.metric} is {value!r}, expected "
-                              f"{check.condition} {check.expected!r}")
-        return seen, errors
+        paths = {c.path for c in ev.endpoints if c.when == when} | set(self.observe.get(when, ()))
+        for path in sorted(paths):
+            self._fetch(when, path)
+        if when == "end":
+            self.observed.log = self.log_text()
+        return evaluate(ev, when, self.observed)
 
-    def _read(self, check: EndpointCheck) -> tuple[object, str | None]:
+    def _fetch(self, when: str, path: str) -> None:
         import httpx
 
+        self.observed.payloads.setdefault(when, {})[path] = None
         try:
-            response = httpx.get(self.base_url + check.path, timeout=10.0)
+            response = httpx.get(self.base_url + path, timeout=10.0)
         except httpx.HTTPError as e:
-            return None, f"{check.path}: no answer ({type(e).__name__})"
+            self.observed.unanswered[(when, path)] = f"no answer ({type(e).__name__})"
+            return
         if response.status_code != 200:
-            return None, f"{check.path}: HTTP {response.status_code}"
-        if check.metric is not None:
-            value = prometheus_value(response.text, check.metric)
-            return value, None if value is not None else f"{check.path}: no sample {check.metric!r}"
-        try:
-            body = response.json()
-        except json.JSONDecodeError:
-            return None, f"{check.path}: not JSON"
-        try:
-            return json_field(body, check.field), None
-        except (KeyError, IndexError, TypeError, ValueError):
-            return None, f"{check.path}: no field {check.field!r}"
-
-
-def json_field(body, dotted: str):
-    value = body
-    for part in dotted.split("."):
-        value = value[int(part)] if isinstance(value, list) else value[part]
-    return value
-
-
-def prometheus_value(text: str, name: str) -> float | None:
-    """The sum of the samples named `name` (any labels) in Prometheus text format."""
-    total, found = 0.0, False
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
-    for match in pattern.finditer(text):
-        try:
-            total += float(match.group(1))
-            found = True
-        except ValueError:
-            pass
-    return total if found else None
-
-
-def _holds(check: EndpointCheck, value) -> bool:
-    if check.condition == "equals":
-        return value == check.expected or str(value) == str(check.expected)
-    if check.condition == "matches":
-        return value is not None and re.search(str(check.expected), str(value)) is not None
-    try:
-        return float(value) >= float(check.expected)
-    except (TypeError, ValueError):
-        return False
+            self.observed.unanswered[(when, path)] = f"HTTP {response.status_code}"
+            return
+        self.observed.payloads[when][path] = response.text
