@@ -21,6 +21,7 @@ import lm_eval.models  # noqa: F401  (lm-eval fills its model registry only whil
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from moebench.context_fit import check_fits
 from moebench.errors import MoebenchError
 
 TASK_TEMPLATES = Path(__file__).resolve().parent.parent / "suites" / "lm_eval"
@@ -107,12 +108,8 @@ class MoebenchLM(LM):
         outputs: list[str | None] = [None] * len(requests)
         for (until, max_gen), indices in groups.items():
             batch = [Request(str(i), settings[i][0], max_gen, until) for i in indices]
-            for r in batch:
-                prompt_len = len(self.engine.encode(r.prompt))
-                if prompt_len + max_gen > self.max_length:
-                    raise MoebenchError(f"moebench lm-eval model: a prompt of {prompt_len} tokens plus {max_gen} "
-                                        f"new tokens exceeds the model's context of {self.max_length} "
-                                        "(fewer few-shot examples: --num-fewshot)")
+            check_fits(max(len(self.engine.encode(r.prompt)) for r in batch), max_gen, self.max_length,
+                       "moebench lm-eval model", hint="use fewer few-shot examples (--num-fewshot)")
             result = self.engine.generate(batch)
             self.evidence.append(result.evidence)
             if len(batch) > self.runtime.batch_size:

@@ -186,6 +186,8 @@ def run_command(
         )
         for cfg in configs:
             _runtime_for(base_runtime, cfg)
+        # the suite and whether its prompts fit the model's context, before a folder is claimed
+        suite_obj = _fitting_suite(args)
 
     # The run's folder is claimed before any work, so an unwritable --out or a taken --run-id is
     # one line now, not a traceback after the model loaded, and two runs never share a folder.
@@ -202,7 +204,7 @@ def run_command(
         if http:
             _run_over_http(args, run_dir, manifest)
         else:
-            _run_bundled(args, run_dir, manifest, configs, threads, base_runtime)
+            _run_bundled(args, run_dir, manifest, configs, threads, base_runtime, suite_obj)
     except BaseException as e:
         started = (run_dir / "manifest.json").exists()
         trials = run_dir / "trials.jsonl"
@@ -294,17 +296,36 @@ def _print_next_steps(run_dir: Path) -> None:
     print(f"next: moebench report {where}\n      moebench gate {where}", flush=True)
 
 
-def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime) -> None:
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+def _load_run_suite(args: dict):
     from moebench.suites import load_suite
 
     if args["limit"] is None and args["suite"] == "gsm-synth":
         args["limit"] = 200
-    suite_obj = load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
-                           num_fewshot=args["num_fewshot"])
+    return load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
+                      num_fewshot=args["num_fewshot"])
+
+
+def _fitting_suite(args: dict):
+    """The run's suite, refused when its longest prompt plus --max-new-tokens exceeds the model's
+    context: past it the model writes garbage that would score as wrong answers (exit 0)."""
+    from moebench.context_fit import check_suite_fits, run_hint, tokenizer_encoder
+    from moebench.engine.config import parse_model_config
+    from moebench.engine.loader import load_tokenizer
+
+    suite_obj = _load_run_suite(args)
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    context = parse_model_config(model_path / "config.json").max_position_embeddings
+    check_suite_fits(suite_obj, tokenizer_encoder(load_tokenizer(model_path)), args["max_new_tokens"], context,
+                     model_path.name, run_hint(suite_obj))
+    return suite_obj
+
+
+def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime,
+                 suite_obj) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     model_path = Path(args["model"]) if args["model"] else bundled_model_path()
     ckpt, tokenizer = _load_model(model_path, base_runtime)
 

@@ -116,6 +116,7 @@ class OpenAIEngine:
         self.tokenizer = tokenizer
         self.server = server
         self.start_evidence = start_evidence
+        self._context_checked = False
         self.served_model = served_model or self._first_model()
 
     def _first_model(self) -> str:
@@ -234,7 +235,26 @@ class OpenAIEngine:
         done.sort(key=lambda c: order[c.id])
         return done, wall
 
+    def check_context(self, requests) -> None:
+        """Refuse prompts that cannot fit the context the server reports (counted with the
+        tokenizer the prompts are sent with; a chat template only adds to them)."""
+        if self.tokenizer is None or not requests or self._context_checked:
+            return
+        from moebench.context_fit import check_fits, server_context
+
+        context = server_context(self.base_url)
+        self._context_checked = True
+        if context is None:
+            return
+        lengths = [len(self.tokenizer.encode(r.prompt).ids) for r in requests]
+        i = max(range(len(requests)), key=lambda j: lengths[j] + requests[j].max_new_tokens)
+        check_fits(lengths[i], requests[i].max_new_tokens, context,
+                   f"served model {self.served_model} at {self.base_url}", item_id=requests[i].id,
+                   hint="use fewer few-shot examples (--num-fewshot), a smaller --max-new-tokens, or a server "
+                        "with a longer context")
+
     def generate(self, requests, on_complete: Callable | None = None) -> HttpResult:
+        self.check_context(requests)
         completions, wall = asyncio.run(self._run(requests, on_complete))
         ok = [c for c in completions if c.error is None]
         decode = [(c.sent_at + c.ttft_s, c.sent_at + c.latency_s) for c in ok if c.output_tokens > 1]
