@@ -35,6 +35,7 @@ from moebench.lm_eval_cli import lm_eval_command  # noqa: E402
 from moebench import export_gguf  # noqa: E402
 from moebench.engines import llamacpp  # noqa: E402
 from moebench import synth_models  # noqa: E402
+from moebench import profiles_cli  # noqa: E402
 
 app.command("run")(run_command)
 app.command("report")(report.report_command)
@@ -47,6 +48,7 @@ app.add_typer(kernels_cli.app, name="kernels", help="MoE kernel microbenchmark a
 app.add_typer(export_gguf.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
 app.add_typer(llamacpp.cli, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")
 app.add_typer(synth_models.app, name="models", help="Random checkpoints with a named model's structure (models synth).")
+app.add_typer(profiles_cli.app, name="profiles", help="Check server profiles' evidence against recorded server output (no server).")
 
 
 def _show_flags_plainly(command) -> None:
