@@ -87,3 +87,39 @@ def check_command(
         more = f" (and {len(problems) - 1} more above)" if len(problems) > 1 else ""
         raise MoebenchError(problems[0] + more)
     print("\nevery configuration has evidence of its own")
+
+
+@app.command("record")
+def record_command(
+    file: Path = typer.Argument(..., help="A profile file (TOML)."),
+    out: Path = typer.Option(..., "--out", help="The folder to write <config>.log and <config>.endpoints.json into."),
+    model: Path = typer.Option(None, "--model", help="Fills {model} in the profile's command."),
+    threads: int = typer.Option(1, "--threads", help="Fills {threads} in the profile's command."),
+    requests: int = typer.Option(4, "--requests", help="Requests sent to each configuration's server (gsm-synth prompts)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens per request."),
+) -> None:
+    """Start each configuration's server, send a few requests, and keep its log and the bodies of
+    every endpoint the profile's evidence reads: the recorded output `profiles check` judges."""
+    from moebench.engines.openai import ClientOptions
+    from moebench.engines.profiles import load_profiles
+    from moebench.engines.record import record_profiles
+    from moebench.engines.server import Placeholders
+    from moebench.errors import MoebenchError
+    from moebench.measure import _requests
+    from moebench.suites import load_suite
+
+    if requests < 1 or max_new_tokens < 1:
+        raise MoebenchError("--requests and --max-new-tokens must be >= 1")
+    pf = load_profiles(file)
+    placeholders = Placeholders("127.0.0.1", str(model) if model else None, pf.server.get("served_model"), threads)
+    tokenizer = None
+    if pf.server.get("tokenizer"):
+        from tokenizers import Tokenizer
+
+        path = Path(placeholders.fill(pf.server["tokenizer"])) / "tokenizer.json"
+        if not path.is_file():
+            raise MoebenchError(f"{path}: no such file (the profile's tokenizer)")
+        tokenizer = Tokenizer.from_file(str(path))
+    suite = load_suite("gsm-synth", None, requests)
+    record_profiles(pf, out, placeholders, _requests(suite, suite.items, max_new_tokens),
+                    ClientOptions(concurrency=requests), tokenizer)
