@@ -221,12 +221,6 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         write_summary(run_dir)
         console.print(f"[red]error[/red]: {died}; samples so far are kept in {run_dir}")
         raise typer.Exit(1)
-    except KeyboardInterrupt:
-        from moebench.run import kept_trials_note  # only whole trials count: resume redoes the rest
-
-        console.print(f"interrupted: {kept_trials_note(run_dir, repeats * len(configs))}; "
-                      f"continue with: moebench run --resume {run_dir}", soft_wrap=True)
-        raise
     finally:
         backend.close()  # servers it started stop here, on every way out
 

@@ -209,12 +209,16 @@ def run_command(
         started = (run_dir / "manifest.json").exists()
         trials = run_dir / "trials.jsonl"
         measured = trials.exists() and trials.stat().st_size > 0
-        if claimed and not measured and (not started or isinstance(e, (MoebenchError, KeyboardInterrupt))):
-            # refused (a budget the store cannot hold, say) or stopped before any trial: nothing to
-            # keep or resume, so no folder holding only a manifest is left behind
+        if claimed and not measured and (not started or isinstance(e, MoebenchError)):
+            # refused (a budget the store cannot hold, say) or stopped before the manifest: nothing to
+            # keep or resume. A stop after the manifest keeps the folder: the message printed with it
+            # says `--resume DIR`, and the samples so far are the user's to read.
             import shutil
 
             shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and started:  # at any point after the manifest: how to go on
+            print(f"interrupted: {kept_trials_note(run_dir, _total_trials(run_dir))}; "
+                  f"continue with: moebench run --resume {shlex.quote(str(run_dir))}", file=sys.stderr, flush=True)
         if isinstance(e, OSError) and started:  # e.g. the disk filled up: what is kept, how to go on
             raise MoebenchError(f"{describe_os_error(e)}; {kept_trials_note(run_dir, _total_trials(run_dir))}; "
                                 f"then continue with: moebench run --resume {shlex.quote(str(run_dir))}") from None
