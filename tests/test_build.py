@@ -177,15 +177,29 @@ def test_extensions_root_follows_the_environment_variables(monkeypatch, tmp_path
 # --- two environments side by side ------------------------------------------------------------------
 
 
+def venv_over_this_one(venv: Path) -> str:
+    """A new virtual environment that sees this environment's packages, not the base interpreter's:
+    `--system-site-packages` would reach only the base's, which on a fresh machine has no torch and
+    no moebench. A .pth line in the new site-packages adds this one's (its .pth files included, so
+    the editable moebench install is found). Returns the new interpreter."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site_b = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    Path(site_b, "moebench_test_parent_env.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in ours) + "\n")
+    return python
+
+
 @needs_toolchain
 def test_two_virtual_environments_build_and_keep_their_own_libraries(tiny, tmp_path):
-    """A real second environment (`python -m venv --system-site-packages`, same torch): each builds
-    its own library once, loads only its own, and neither rebuilds or touches the other's."""
+    """A real second environment (its own prefix, this one's torch and moebench): each builds its
+    own library once, loads only its own, and neither rebuilds or touches the other's."""
     source, script, root = tiny
-    venv = tmp_path / "venv-b"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    python_b = str(venv / "bin" / "python")
+    python_b = venv_over_this_one(tmp_path / "venv-b")
 
     first_a = run_build(sys.executable, script, source)
     first_b = run_build(python_b, script, source)
