@@ -1,7 +1,9 @@
 """Shared pytest fixtures."""
 
 import os
+import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,13 +41,40 @@ def llama_server(request) -> Path:
     from moebench.errors import MoebenchError
 
     try:
-        return llama_server_path()
+        try:
+            return llama_server_path(build=False)
+        except MoebenchError:  # not built for this CPU yet: the first test run builds it, for minutes
+            with _uncaptured(request.config):
+                return _announced_build(request, llama_server_path)
     except MoebenchError as e:
         if os.environ.get("CI"):
             pytest.fail(f"llama-server could not be built in CI: {e}")
         message = f"LLAMA.CPP TESTS NOT RUN ({request.module.__name__}): llama-server could not be built here: {e}"
         warnings.warn(message)
         pytest.skip(message)
+
+
+@contextmanager
+def _uncaptured(config):
+    """Output straight to the terminal: pytest holds a fixture's output back until a test fails,
+    so a build of many minutes would otherwise look like a hung progress bar."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is None:
+        yield
+        return
+    with capture.global_and_fixture_disabled():
+        yield
+
+
+def _announced_build(request, build):
+    from moebench.engines.llamacpp import BUILD_ESTIMATE, build_dir
+
+    users = sorted({item.module.__name__ for item in request.session.items
+                    if "llama_server" in getattr(item, "fixturenames", ())})
+    print(f"\nmoebench tests: llama.cpp's llama-server is not built for this CPU yet; building it now, once "
+          f"({BUILD_ESTIMATE}), because the tests in {', '.join(users) or request.module.__name__} drive it for real; "
+          f"cached in {build_dir()}, so later test runs skip this", file=sys.stderr, flush=True)
+    return build()
 
 
 def pytest_configure(config):
