@@ -14,6 +14,8 @@ pay for them.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -96,16 +98,25 @@ def make_synth_model(shape: str, out: Path, data_dir: Path | None, seed: int = 0
         raise MoebenchError(f"unknown shape '{shape}' (choose from: {', '.join(SHAPES)})")
     if dtype not in ("bfloat16", "float32"):
         raise MoebenchError(f"--dtype {dtype}: choose bfloat16 or float32")
-    if data_dir is None:
-        raise MoebenchError("models synth needs GSM8K's train split for the tokenizer: pass --data DIR or set "
-                            "MOEBENCH_GSM8K_DIR")
     import torch
     from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
     spec = SHAPES[shape]
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = _bpe_tokenizer(Path(data_dir), tokenizer_vocab, out)
-    config = dict(spec["config"], vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MoebenchError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    if data_dir is None:
+        vocab, special = _bundled_tokenizer(out)
+        tokenizer_note = f"the bundled gsm-synth-moe model's byte-level BPE ({vocab} tokens; no --data given)"
+        print(f"moebench: no GSM8K data given (--data or $MOEBENCH_GSM8K_DIR): using the bundled model's "
+              f"tokenizer ({vocab} tokens, trained on gsm-synth); GSM8K prompts tokenize longer with it than "
+              "with one trained on GSM8K's train split, which --data gives", file=sys.stderr, flush=True)
+    else:
+        vocab = _bpe_tokenizer(Path(data_dir), tokenizer_vocab, out)
+        special = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}
+        tokenizer_note = f"byte-level BPE trained on {Path(data_dir) / 'train.jsonl'}"
+    config = dict(spec["config"], vocab_size=vocab, **special)
     torch.manual_seed(seed)
     model = BailingHybridForCausalLM(BailingHybridConfig(**config))
     with torch.no_grad():
@@ -115,16 +126,45 @@ def make_synth_model(shape: str, out: Path, data_dir: Path | None, seed: int = 0
                 gate.e_score_correction_bias.normal_(0.0, spec["expert_bias_std"])
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(out)
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "<|endoftext|>",
-         "clean_up_tokenization_spaces": False}, indent=2))
+    if data_dir is not None:  # the bundled tokenizer came with its own tokenizer_config.json
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "<|endoftext|>",
+             "clean_up_tokenization_spaces": False}, indent=2))
     params = sum(p.numel() for p in model.parameters())
-    _write_card(out, shape, spec, config, params, seed, dtype, data_dir)
+    _write_card(out, shape, spec, config, params, seed, dtype, tokenizer_note)
+    _readable_like_the_rest(out)
     return out
 
 
+def _bundled_tokenizer(out: Path) -> tuple[int, dict]:
+    """The bundled model's tokenizer, copied: a checkpoint without any GSM8K data at hand. Returns
+    its vocabulary size and the special tokens' ids as the bundled config gives them."""
+    import shutil
+
+    from moebench.run import bundled_model_path
+
+    bundled = bundled_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(bundled / name, out / name)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    raw = json.loads((bundled / "config.json").read_text())
+    return vocab, {k: raw.get(k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
+
+
+def _readable_like_the_rest(out: Path) -> None:
+    """Files as a plain write leaves them (0666 less the umask): the safetensors writer makes its
+    file through a private temporary (0600), which another user of a shared checkpoint cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
+
+
 def _write_card(out: Path, shape: str, spec: dict, config: dict, params: int, seed: int, dtype: str,
-                data_dir: Path) -> None:
+                tokenizer_note: str) -> None:
     ref_name, ref = spec["reference"]
     kept = ["num_hidden_layers", "layer_group_size", "first_k_dense_replace", "hidden_size", "moe_intermediate_size",
             "num_attention_heads", "kv_lora_rank", "num_local_experts", "num_experts_per_tok", "n_group", "topk_group",
@@ -140,7 +180,7 @@ def _write_card(out: Path, shape: str, spec: dict, config: dict, params: int, se
         "parameters": params,
         "dtype": dtype,
         "seed": seed,
-        "tokenizer": f"byte-level BPE trained on {Path(data_dir) / 'train.jsonl'}",
+        "tokenizer": tokenizer_note,
         "scale": scale,
     }
     (out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -164,12 +204,11 @@ def synth_command(
     shape: Annotated[str, typer.Option(help=f"Model shape: {', '.join(SHAPES)}.")] = "ling3-flash-scaled",
     out: Annotated[Path, typer.Option(help="Directory to write the checkpoint to.")] = Path("models/ling3-flash-scaled"),
     data: Annotated[Optional[Path], typer.Option(
-        help="GSM8K data directory (train.jsonl trains the tokenizer); default $MOEBENCH_GSM8K_DIR.")] = None,
+        help="GSM8K data directory (train.jsonl trains the tokenizer); default $MOEBENCH_GSM8K_DIR, else the bundled model's tokenizer.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
     dtype: Annotated[str, typer.Option(help="Weights' dtype on disk: bfloat16 or float32.")] = "bfloat16",
 ) -> None:
     """Write a random checkpoint with a named model's structure, scaled to fit this machine, plus its model card."""
-    import os
 
     from moebench.suites.gsm8k import DATA_DIR_ENV
 
