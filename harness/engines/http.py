@@ -81,7 +81,9 @@ class HttpBackend:
                 server.stop()
 
     def warm_up(self, suite, n_items: int) -> None:
-        """Start each configuration once and prove its evidence before any trial is measured."""
+        """Start each configuration once and prove its evidence before any trial is measured; the
+        baseline first, whose own output must fail every other configuration's evidence
+        (moebench.engines.discrimination)."""
         from moebench.engines.discrimination import observed_paths, refuse_non_discriminating
         from moebench.errors import ActivationError
 
@@ -98,6 +100,8 @@ class HttpBackend:
             if result.activation_errors:
                 raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
             if observe is not None:
+                if cfg.name in self.running:  # keep_running: the trials need only its own evidence
+                    self.running[cfg.name].observe = {}
                 refuse_non_discriminating(self.profiles.path, cfg, self.configs[1:], observed)
 
     def describe(self) -> dict:
