@@ -16,10 +16,11 @@ from moebench.engine.loader import Checkpoint
 from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
 from moebench.engine.routing_stats import RoutingStats
+from moebench.engine.sampling import sample_token_ids
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
 from moebench.errors import MoebenchError
-from moebench.kernels.cpu_dense import decode_threads
+from moebench.engine.decode_path import step_threads
 
 
 @dataclass
@@ -140,7 +141,7 @@ class Engine:
         return EngineSession(self, blocks, on_complete, time.perf_counter())
 
     def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
-              step_start):
+              step_start, sampling_counts=None):
         rt = self.runtime
         new_tokens = [_new_token_ids(s) for s in seqs]
         in_prefill = [s.in_prefill for s in seqs]
@@ -149,11 +150,11 @@ class Engine:
         batch = build_forward_batch(new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs],
                                     rt.kv_block_size, rt.device, self.cfg.sliding_window, rt.torch_dtype)
         start = time.perf_counter()
-        # a decode step's parallel work runs on the kernels' thread pool, torch's own on one thread
-        # (kernels/cpu_dense.decode_threads); models that do not use the pool keep torch's threads
-        with decode_threads(batch.max_q == 1 and rt.kernel == "fused" and getattr(model, "decode_on_pool", False)):
+        # on a decode path with the step's thread pool, a decode step's parallel work runs on it and
+        # torch's own on one thread, whichever the kernel (engine/decode_path.py)
+        with step_threads(model, batch.max_q == 1):
             logits = model.forward(batch, kv)
-            next_ids = greedy_token_ids(logits)
+            next_ids = self._select_tokens(seqs, logits, sampling_counts)
         if rt.device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()
@@ -193,6 +194,24 @@ class Engine:
         }
         record["bytes_read"] = self._bytes_read(stats_experts=routing, seqs=seqs)
         return record
+
+    @staticmethod
+    def _select_tokens(seqs, logits, counts: dict | None) -> list[int]:
+        """Each sequence's next token: the plain argmax when the whole batch is greedy (the fast
+        path), else engine/sampling.py, one draw per sampling row at its output position. `counts`
+        (the session's evidence) gets the positions drawn and those chosen greedily."""
+        params = [s.request.sampling for s in seqs]
+        if all(p.greedy for p in params):
+            ids, drawn = greedy_token_ids(logits), 0
+        else:
+            ids, drawn = sample_token_ids(logits, params, [len(s.output_ids) for s in seqs])
+            if counts is not None:
+                for p in {p.setting() for p in params if not p.greedy}:
+                    counts["settings"].add(p)
+        if counts is not None:
+            counts["sampled_positions"] += drawn
+            counts["greedy_positions"] += len(seqs) - drawn
+        return ids
 
     def _bytes_read(self, stats_experts: dict, seqs) -> int:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
@@ -270,6 +289,10 @@ class EngineSession:
         self.num_steps = 0
         self.num_requests = 0
         self.last_batch: list[Sequence] = []
+        # what token selection did, counted where it ran (engine/sampling.py): the evidence that a
+        # temperature reached the sampler
+        self.sampling_counts = {"sampled_positions": 0, "greedy_positions": 0, "settings": set()}
+        self.sampling_requests = 0  # requests added that asked for sampling
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -278,6 +301,7 @@ class EngineSession:
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.num_requests += 1
+        self.sampling_requests += not seq.request.sampling.greedy
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -293,7 +317,7 @@ class EngineSession:
         self.last_batch = batch_seqs
         record = self.engine._step(self.num_steps, batch_seqs, self.model, self.kv, self.block_manager, self.stats,
                                    self.store, self.scheduler, self.completions, self.on_complete, self.arrival,
-                                   step_start)
+                                   step_start, self.sampling_counts)
         self.num_steps += 1
         return record
 
@@ -344,6 +368,11 @@ class EngineSession:
             "attention": dict(getattr(self.model, "attention_backends", {})),
             # decode steps by how their layers ran: in one native call, or one by one (engine/model.py)
             "decode_steps": dict(getattr(self.model, "decode_steps", {})),
+            # the path decode steps ran, decided once for the session, and their threads (engine/decode_path.py)
+            "decode_path": self.model.decode_path.evidence() if hasattr(self.model, "decode_path") else None,
+            "sampling": {"sampled_positions": self.sampling_counts["sampled_positions"],
+                         "greedy_positions": self.sampling_counts["greedy_positions"],
+                         "settings": [list(s) for s in sorted(self.sampling_counts["settings"], key=repr)]},
         }
 
     def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:
@@ -355,6 +384,8 @@ class EngineSession:
         from moebench.engine.model import decode_attention_errors
 
         errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype)
+        if self.sampling_requests and not self.sampling_counts["sampled_positions"]:
+            errors.append(f"sampling: {self.sampling_requests} requests asked for it and the engine drew no token")
         return errors
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from moebench.engine.sampling import GREEDY, SamplingParams
+
 
 @dataclass
 class Request:
@@ -12,6 +14,7 @@ class Request:
     prompt: str
     max_new_tokens: int | None = None  # None: the runtime's default
     stop: tuple[str, ...] = ()
+    sampling: SamplingParams = GREEDY  # temperature 0: greedy; else the request's own seeded stream
 
 
 class Status(enum.Enum):
