@@ -1,18 +1,26 @@
-"""`moebench gate`: the report's verdict as a CI check. Exit 0 if every rule holds, 1 if any
-fails; unusable input raises MoebenchError, which the CLI turns into exit 2 (one line). That
+"""`moebench gate`: the report's verdict as a CI check. Each rule passes, fails (the run shows
+the problem) or is inconclusive (the run is too small to tell). Exit 0 if no rule fails and
+either none is inconclusive or the policy allows it (require_power = false, the default); 1 if
+any rule fails; 3 if none fails but some are inconclusive and the policy has require_power =
+true. Unusable input raises MoebenchError, which the CLI turns into exit 2 (one line). That
 includes a results directory whose summary.json disagrees with its raw samples and trials, or
 lacks them, and an output path (--junit, --markdown) that cannot be written: exit 1 means a
-regression and nothing else.
+shown regression and nothing else.
 
 Rules (thresholds from the policy, moebench.policy; the policy's `metric` picks the speedup,
 whole-run output tok/s or decode tok/s):
-  speedup    the gated config's 95% CI lower bound >= min_speedup
-  accuracy   every config: McNemar exact p >= mcnemar_alpha, drop <= max_accuracy_drop points
-  identical  every config not marked approximate: identical outputs >= min_identical
+  speedup    the gated config's 95% CI: lower bound >= min_speedup passes, upper bound below it
+             fails, an interval across it (or none: one trial) is inconclusive
+  accuracy   every config: the non-inferiority verdict at `margin` (moebench.verdict): regression
+             fails, inconclusive is inconclusive; exact configs also: McNemar exact p >=
+             mcnemar_alpha, drop <= max_accuracy_drop points
+  identical  every exact config: identical outputs >= min_identical
   activation every config: each switched-on optimization left evidence that it ran (a switch the
              workload could not exercise passes, and says "not exercised")
   regression with a committed summary: the gated config's speedup CI upper bound
-             >= committed median x (1 - max_slowdown)
+             >= committed median x (1 - max_slowdown); no interval is inconclusive
+Approximate configs (policy `approximate`, or marked so in the run's manifest) may change
+outputs: only the verdict judges their accuracy.
 """
 
 from __future__ import annotations
@@ -38,6 +46,19 @@ class Rule:
     measured: str
     threshold: str
     passed: bool
+    inconclusive: bool = False  # not passed, but not shown to fail either: too little data
+    note: str = ""              # what to do about an inconclusive rule
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.passed else ("inconclusive" if self.inconclusive else "FAIL")
+
+
+def _spans(ci: list[float], what: str = "x") -> str:
+    return f"inconclusive: the interval spans {ci[0]:.2f}-{ci[1]:.2f}{what}; rerun with more --repeats"
+
+
+NO_INTERVAL = "inconclusive: one trial gives no interval; rerun with --repeats 2 or more (5 or more to judge)"
 
 
 def gated_config(summary: dict, requested: str | None) -> str:
@@ -71,8 +92,38 @@ def _speedup_rule(summary: dict, name: str, policy: Policy) -> Rule:
     n = len(sp.get("trials") or [])
     measured = "n/a (no interval: fewer than 2 trials)" if not ci else \
         f"{sp['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {n} trials"
+    passed = bool(ci) and ci[0] >= policy.min_speedup
+    # Only an interval wholly below the threshold shows that the speedup falls short of it.
+    unsure = not passed and (not ci or ci[1] >= policy.min_speedup)
     return Rule(f"speedup {name} ({METRIC_WORDS[policy.metric]}): 95% CI lower bound", measured,
-                f">= {policy.min_speedup:g}x", bool(ci) and ci[0] >= policy.min_speedup)
+                f">= {policy.min_speedup:g}x", passed, unsure,
+                (_spans(ci) if ci else NO_INTERVAL) if unsure else "")
+
+
+def approximate(c: dict, policy: Policy) -> bool:
+    """May this config change outputs? The policy says so, or the run's manifest did."""
+    return c["name"] in policy.approximate or bool(c.get("approximate"))
+
+
+def _verdict_rule(c: dict, policy: Policy) -> Rule:
+    from moebench.verdict import judge_accuracy
+
+    vb = c["vs_baseline"]
+    v = judge_accuracy(vb, policy.margin, exact=not approximate(c, policy), alpha=policy.mcnemar_alpha)
+    diff = vb.get("accuracy_difference") or {}
+    ci = diff.get("ci95")
+    measured = "n/a (no paired items)" if not ci else (
+        f"{v['verdict']}, {diff['points']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+        + (f"; 80% power at -{v['detectable_drop']:.1f}" if v.get("detectable_drop") is not None else ""))
+    unsure = v["verdict"] == "inconclusive"
+    note = ""
+    if unsure:
+        note = (f"inconclusive: the interval {ci[0]:+.2f} to {ci[1]:+.2f} points reaches below "
+                f"-{policy.margin:g}; rerun with more items (or more trials under sampling)")
+    # fails on a shown drop: the interval below 0, or McNemar p < mcnemar_alpha against the config
+    return Rule(f"accuracy {c['name']}: verdict (margin {policy.margin:g})", measured,
+                f"CI lower > -{policy.margin:g} pts", v["verdict"] in ("identical", "non-inferior"),
+                unsure, note)
 
 
 def _accuracy_rules(c: dict, policy: Policy) -> list[Rule]:
@@ -108,7 +159,7 @@ def _activation_rule(c: dict) -> Rule:
     else:
         measured = {True: "evidence present", False: "; ".join(a.get("errors") or []) or "no evidence",
                     None: "not recorded"}[ok]
-    return Rule(f"activation {c['name']}", measured, "every switched-on optimization ran", ok is True)
+    return Rule(f"activation {c['name']}", measured, "each switched-on optimization ran", ok is True)
 
 
 def _committed_speedup(committed: dict, name: str, metric: str, source: str) -> float:
@@ -143,7 +194,7 @@ def _regression_rule(summary: dict, committed: dict, name: str, policy: Policy, 
     return Rule(f"speedup {name} ({METRIC_WORDS[policy.metric]}) vs committed baseline",
                 "n/a (no interval)" if not ci else f"{now['median']:.3f}x, CI upper {ci[1]:.3f}",
                 f"CI upper >= {floor:.3f}x ({old:.3f}x - {policy.max_slowdown:.0%})",
-                bool(ci) and ci[1] >= floor)
+                bool(ci) and ci[1] >= floor, not ci, "" if ci else NO_INTERVAL)
 
 
 def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
@@ -155,8 +206,9 @@ def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
         rules.append(_regression_rule(summary, committed, name, policy, committed_source))
     for c in summary["configs"]:
         if c.get("vs_baseline"):
-            rules += _accuracy_rules(c, policy)
-            if c["name"] not in policy.approximate:
+            rules.append(_verdict_rule(c, policy))
+            if not approximate(c, policy):
+                rules += _accuracy_rules(c, policy)
                 rules.append(_identity_rule(c, policy))
     rules += [_activation_rule(c) for c in summary["configs"]]
     return rules
@@ -164,8 +216,28 @@ def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
 
 # ---------------------------------------------------------------- output
 
+EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 1, 3
+
+
+def outcome(rules: list[Rule], policy: Policy) -> tuple[int, str]:
+    """The exit code and the last line: a failed rule is exit 1; an inconclusive one is exit 3
+    where the policy requires power, else a pass that says what could not be judged."""
+    failed = sum(r.status == "FAIL" for r in rules)
+    unsure = sum(r.inconclusive for r in rules)
+    if failed:
+        more = f"; {unsure} more inconclusive" if unsure else ""
+        return EXIT_FAIL, f"gate: FAIL ({failed} of {len(rules)} rules{more})"
+    if unsure and policy.require_power:
+        return EXIT_INCONCLUSIVE, (f"gate: INCONCLUSIVE ({unsure} of {len(rules)} rules could not be judged "
+                                   "and the policy has require_power = true; exit 3)")
+    if unsure:
+        return EXIT_PASS, (f"gate: PASS, but {unsure} of {len(rules)} rules inconclusive (too little data to "
+                           "judge them; require_power = false lets them pass)")
+    return EXIT_PASS, "gate: PASS"
+
+
 def _verdict(rule: Rule) -> str:
-    return "pass" if rule.passed else "FAIL"
+    return rule.status
 
 
 def rich_table(rules: list[Rule], title: str):
@@ -174,35 +246,49 @@ def rich_table(rules: list[Rule], title: str):
     table = Table(title=title)
     for col in ("rule", "measured", "threshold", "verdict"):
         table.add_column(col)
+    style = {"pass": "[green]pass[/green]", "FAIL": "[bold red]FAIL[/bold red]",
+             "inconclusive": "[yellow]inconclusive[/yellow]"}
     for r in rules:
-        table.add_row(r.name, r.measured, r.threshold,
-                      "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]")
+        table.add_row(r.name, r.measured, r.threshold, style[r.status])
     return table
 
 
-def junit_xml(rules: list[Rule], suite: str) -> bytes:
-    failures = sum(not r.passed for r in rules)
+def junit_xml(rules: list[Rule], suite: str, require_power: bool = False) -> bytes:
+    """One testcase per rule: a failed rule is a <failure>; an inconclusive one is <skipped>, or a
+    <failure type="GateInconclusive"> where the policy requires power."""
+    def failing(r: Rule) -> bool:
+        return r.status == "FAIL" or (r.inconclusive and require_power)
+    failures = sum(failing(r) for r in rules)
+    skipped = sum(r.inconclusive and not require_power for r in rules)
     root = ET.Element("testsuites", name="moebench gate", tests=str(len(rules)), failures=str(failures))
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(rules)), failures=str(failures),
-                       errors="0", skipped="0")
+                       errors="0", skipped=str(skipped))
     for r in rules:
         case = ET.SubElement(ts, "testcase", classname="moebench.gate", name=r.name)
-        if not r.passed:  # the JUnit schema puts <failure> before <system-out>
-            ET.SubElement(case, "failure", message=f"measured {r.measured}, required {r.threshold}",
-                          type="GateFailure").text = f"{r.name}: measured {r.measured}, required {r.threshold}"
+        # the JUnit schema puts <failure> and <skipped> before <system-out>
+        if r.inconclusive and not require_power:
+            ET.SubElement(case, "skipped", message=r.note or "inconclusive")
+        elif failing(r):
+            kind = "GateInconclusive" if r.inconclusive else "GateFailure"
+            text = r.note if r.inconclusive else f"measured {r.measured}, required {r.threshold}"
+            ET.SubElement(case, "failure", message=text, type=kind).text = f"{r.name}: {text}"
         ET.SubElement(case, "system-out").text = f"measured {r.measured}; threshold {r.threshold}"
     ET.indent(root)
     return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
 
 
-def markdown_table(rules: list[Rule], title: str) -> str:
+def markdown_table(rules: list[Rule], title: str, policy: Policy = DEFAULTS) -> str:
     def cell(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
-    passed = all(r.passed for r in rules)
-    lines = [f"### {cell(title)}: {'PASS' if passed else 'FAIL'}", "",
+    code, _ = outcome(rules, policy)
+    word = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_INCONCLUSIVE: "INCONCLUSIVE"}[code]
+    if code == EXIT_PASS and any(r.inconclusive for r in rules):
+        word = "PASS (some rules inconclusive)"
+    lines = [f"### {cell(title)}: {word}", "",
              "| rule | measured | threshold | verdict |", "|---|---|---|---|"]
     lines += [f"| {cell(r.name)} | {cell(r.measured)} | {cell(r.threshold)} | {_verdict(r)} |" for r in rules]
-    return "\n".join(lines) + "\n"
+    notes = [f"- {cell(r.name)}: {cell(r.note)}" for r in rules if r.inconclusive and r.note]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 # ---------------------------------------------------------------- trust, but verify
@@ -223,6 +309,10 @@ def _checked_fields(summary: dict) -> dict:
                   "accuracy.total": (c.get("accuracy") or {}).get("total"),
                   "identical_outputs": vb.get("identical_outputs"), "mcnemar_p": vb.get("mcnemar_p"),
                   "accuracy_delta": vb.get("accuracy_delta")}
+        diff = vb.get("accuracy_difference") or {}
+        fields["accuracy_difference.points"] = diff.get("points")
+        for i, v in enumerate(diff.get("ci95") or [None, None]):
+            fields[f"accuracy_difference.ci95[{i}]"] = v
         for metric, key in SPEEDUP_KEYS.items():
             sp = vb.get(key) or {}
             fields[f"{key}.median"] = sp.get("median")
@@ -305,10 +395,12 @@ def gate_command(
     min_identical: float | None = typer.Option(None, "--min-identical", help=f"Required share of outputs identical to the baseline's ({_HELP_DEFAULT.format(DEFAULTS.min_identical)})."),
     baseline: Path | None = typer.Option(None, "--baseline", help="Committed summary.json whose speedup must not regress."),
     max_slowdown: float | None = typer.Option(None, "--max-slowdown", help=f"Allowed fall of the speedup below the committed one ({_HELP_DEFAULT.format(DEFAULTS.max_slowdown)})."),
+    margin: float | None = typer.Option(None, "--margin", help=f"Non-inferiority margin of the accuracy verdict, in points ({_HELP_DEFAULT.format(DEFAULTS.margin)})."),
+    require_power: bool | None = typer.Option(None, "--require-power", help="A rule the run is too small to judge fails the gate, with exit 3 (policy key require_power; default: it passes, said so)."),
     junit: Path | None = typer.Option(None, "--junit", help="Also write the rules as JUnit XML here."),
     markdown: Path | None = typer.Option(None, "--markdown", help="Also write the rule table as Markdown here."),
 ) -> None:
-    """Check a run against the gate policy: exit 0 if every rule holds, 1 if any fails, 2 on unusable input."""
+    """Check a run against the gate policy: exit 0 if no rule fails, 1 if one fails (a shown regression), 2 on unusable input, 3 if a rule is inconclusive and the policy requires power."""
     from rich.console import Console
 
     for path, flag in ((junit, "--junit"), (markdown, "--markdown")):
@@ -316,23 +408,27 @@ def gate_command(
             check_output_path(path, flag)
     pol = with_overrides(load_policy(policy), config=config, metric=metric, min_speedup=min_speedup,
                          max_accuracy_drop=max_accuracy_drop, min_identical=min_identical,
-                         max_slowdown=max_slowdown, baseline=str(baseline) if baseline else None)
+                         max_slowdown=max_slowdown, baseline=str(baseline) if baseline else None,
+                         margin=margin, require_power=require_power)
     from moebench.summary import read_summary
 
     summary, checked = verified_summary(run_dir)
     committed = read_summary(Path(pol.baseline)) if pol.baseline else None
     rules = evaluate(summary, pol, committed, committed_source=str(pol.baseline))
-    passed = all(r.passed for r in rules)
+    code, last_line = outcome(rules, pol)
     title = f"moebench gate: {summary.get('run_id')} (policy: {pol.source})"
     if junit:
-        _write(junit, junit_xml(rules, title), "--junit")
+        _write(junit, junit_xml(rules, title, pol.require_power), "--junit")
     if markdown:
-        _write(markdown, markdown_table(rules, title).encode("utf-8"), "--markdown")
+        _write(markdown, markdown_table(rules, title, pol).encode("utf-8"), "--markdown")
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 160)  # CI logs: keep each rule on one line
+        console.width = max(console.width, 200)  # CI logs: keep each rule on one line
     console.print(f"policy: {pol.source}; {checked}")
     console.print(rich_table(rules, title))
-    n_fail = sum(not r.passed for r in rules)
-    console.print("[green]gate: PASS[/green]" if passed else f"[bold red]gate: FAIL[/bold red] ({n_fail} of {len(rules)} rules)")
-    raise typer.Exit(0 if passed else 1)
+    for r in rules:
+        if r.inconclusive and r.note:
+            console.print(f"{r.name}: {r.note}", markup=False, highlight=False)
+    colour = {EXIT_PASS: "green", EXIT_FAIL: "bold red", EXIT_INCONCLUSIVE: "yellow"}[code]
+    console.print(f"[{colour}]{last_line}[/{colour}]", highlight=False)
+    raise typer.Exit(code)

@@ -32,16 +32,20 @@ class Policy:
     max_slowdown: float = 0.05       # allowed fall of the speedup against a committed baseline (docs/gate.md)
     baseline: str | None = None      # committed summary.json to compare the speedup with
     approximate: tuple[str, ...] = field(default_factory=tuple)  # exempt from the identity rule
+    margin: float = 1.0              # non-inferiority margin of the accuracy verdict, in points
+    require_power: bool = False      # an inconclusive verdict (too few items or trials) fails: exit 3
     source: str = field(default=BUILT_IN, compare=False)  # where the policy came from (not a key)
 
     def __post_init__(self):
         if self.metric not in METRICS:
             raise MoebenchError(f"policy metric {self.metric!r}: choose from {', '.join(METRICS)}")
+        if not 0 < self.margin < 100:
+            raise MoebenchError(f"policy margin {self.margin!r}: give accuracy points between 0 and 100")
 
 
 DEFAULTS = Policy()
 _KEYS = {f.name for f in fields(Policy)} - {"source"}
-_NUMBERS = {"min_speedup", "max_accuracy_drop", "min_identical", "mcnemar_alpha", "max_slowdown"}
+_NUMBERS = {"min_speedup", "max_accuracy_drop", "min_identical", "mcnemar_alpha", "max_slowdown", "margin"}
 
 
 def load_policy(path: Path | None) -> Policy:
@@ -70,6 +74,10 @@ def load_policy(path: Path | None) -> Policy:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise MoebenchError(f"{path}: {key} must be a number, got {value!r}")
             values[key] = float(value)
+        elif key == "require_power":
+            if not isinstance(value, bool):
+                raise MoebenchError(f"{path}: require_power must be true or false, got {value!r}")
+            values[key] = value
         elif key == "approximate":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise MoebenchError(f"{path}: approximate must be a list of config names")

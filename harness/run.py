@@ -24,6 +24,7 @@ from moebench.ablation import OFF, SWITCHES, ConfigPoint, ablation_matrix, negat
 from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
+from moebench.options import TEMPERATURE, TOP_K, TOP_P, check_sampling_options
 
 BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
@@ -124,7 +125,7 @@ def run_command(
     admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
     device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (measured here: with 2 threads on a busy 2-core machine, OpenMP hand-offs made small ops 30-60x slower and faked large speedups); 0 = torch's own choice."),
-    seed: int = typer.Option(0, "--seed", help="Seed recorded in the manifest (decoding is greedy)."),
+    seed: int = typer.Option(0, "--seed", help="Run seed: with --temperature > 0 each request samples from its own stream, seeded from (this seed, trial, item id)."),
     out: Path = typer.Option(Path("results"), "--out", help="Parent directory of the run directory."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: time to the millisecond, a random suffix, model and suite). A name that exists is refused; continue that run with --resume."),
     negative_control_: Optional[str] = typer.Option(None, "--negative-control", help="Add an approximate config that SHOULD change answers (int4, int3 or int2 round-to-nearest experts), proving the accuracy check has power."),
@@ -137,9 +138,9 @@ def run_command(
     tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json: prompts go as token ids, so the server's tokenizer cannot change them (default: the profile's).", rich_help_panel="Serving engines"),
     chat: bool = typer.Option(False, "--chat", help="Send /v1/chat/completions (one user message) instead of /v1/completions.", rich_help_panel="Serving engines"),
     concurrency: int = typer.Option(16, "--concurrency", help="Requests in flight at once.", rich_help_panel="Serving engines"),
-    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (0 = greedy); with sampling each request's seed comes from (--seed, item id).", rich_help_panel="Serving engines"),
-    top_p: Optional[float] = typer.Option(None, "--top-p", rich_help_panel="Serving engines"),
-    top_k: Optional[int] = typer.Option(None, "--top-k", rich_help_panel="Serving engines"),
+    temperature: float = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take.", rich_help_panel="Serving engines"),
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
@@ -164,6 +165,7 @@ def run_command(
     if args["repeats"] < 1:
         raise MoebenchError(f"--repeats must be >= 1, got {args['repeats']}")
     if args["factorial"] and not args["ablate"]:
+    check_sampling_options(args.get("temperature", 0.0), args.get("top_p"), args.get("top_k"))
         raise MoebenchError("--factorial needs --ablate")
     if run_id is not None and (not run_id or run_id in (".", "..") or "/" in run_id or os.sep in run_id):
         raise MoebenchError(f"--run-id '{run_id}': expected a plain folder name")
@@ -186,8 +188,6 @@ def run_command(
         )
         for cfg in configs:
             _runtime_for(base_runtime, cfg)
-        # the suite and whether its prompts fit the model's context, before a folder is claimed
-        suite_obj = _fitting_suite(args)
 
     # The run's folder is claimed before any work, so an unwritable --out or a taken --run-id is
     # one line now, not a traceback after the model loaded, and two runs never share a folder.
@@ -204,7 +204,7 @@ def run_command(
         if http:
             _run_over_http(args, run_dir, manifest)
         else:
-            _run_bundled(args, run_dir, manifest, configs, threads, base_runtime, suite_obj)
+            _run_bundled(args, run_dir, manifest, configs, threads, base_runtime)
     except BaseException as e:
         started = (run_dir / "manifest.json").exists()
         trials = run_dir / "trials.jsonl"
@@ -239,11 +239,15 @@ def _claim_run_dir(out: Path, run_id: str | None, args: dict) -> Path:
             return run_dir
         except FileExistsError:
             if run_id is not None:
-                raise MoebenchError(f"{run_dir}: already exists (choose another --run-id, or continue that run "
-                                    f"with --resume {shlex.quote(str(run_dir))})") from None
+                raise MoebenchError(_taken(run_dir)) from None
         except OSError as e:
             raise MoebenchError(f"--out {out}: cannot create {run_dir.name} there ({e.strerror or e})") from None
     raise MoebenchError(f"--out {out}: could not find a free run id")
+
+
+def _taken(run_dir: Path) -> str:
+    return (f"{run_dir}: already exists (choose another --run-id, or continue that run "
+            f"with --resume {shlex.quote(str(run_dir))})")
 
 
 def _lock_run(run_dir: Path) -> int:
@@ -324,8 +328,9 @@ def _fitting_suite(args: dict):
     return suite_obj
 
 
-def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime,
-                 suite_obj) -> None:
+def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime) -> None:
+    # before the model loads: a refusal here removes the folder just claimed (nothing ran in it)
+    suite_obj = _fitting_suite(args)
     if threads:
         import torch
 
@@ -395,7 +400,8 @@ def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
         args, run_dir, suite_obj, backend.configs,
         model={"served_model": backend.served_model, "path": args["model"]},
         runtime={"engine": "openai", "max_new_tokens": args["max_new_tokens"],
-                 "concurrency": args["concurrency"], "temperature": args["temperature"]},
+                 "concurrency": args["concurrency"], "temperature": args["temperature"],
+                 "sampling": _sampling_record(args)},
         engine=backend.describe())
 
 
@@ -486,9 +492,18 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     })
 
 
+        "sampling": _sampling_record(args),
 def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
     """manifest.json: what ran, on what, from which command, code and packages."""
     from moebench.machine import describe_machine, git_commit, package_versions
+def _sampling_record(args: dict) -> dict:
+    """How tokens were chosen and each request's seed made (the engine's evidence shows it drew)."""
+    from moebench.engine.sampling import GREEDY, describe_sampling
+    from moebench.measure import run_sampling
+
+    return describe_sampling(run_sampling(args) or GREEDY)
+
+
 
     return {
         "schema": "moebench.manifest/1",

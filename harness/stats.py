@@ -1,11 +1,10 @@
-"""Statistics for the verdict: Wilson, Student-t and bootstrap intervals, exact McNemar.
+"""Statistics for the verdict: Wilson and Student-t intervals, exact McNemar.
 
 Throughput and speedup intervals come from trials, the unit that is repeated under the machine's
 changing load: a Student t interval on the logs of the per-trial values (for a speedup, of the
 per-trial paired ratios config / baseline), which has its nominal coverage for any number of
 trials from 2 when the logs are roughly normal (docs/statistics.md; checked by simulation in
-tests/test_stats.py). Every bootstrap uses numpy's Generator with a fixed seed so that a summary
-built twice from the same results is identical; its intervals are percentile intervals.
+tests/test_stats.py). The paired accuracy difference and its interval: moebench.paired_accuracy.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ import numpy as np
 from scipy.stats import binomtest
 from scipy.stats import t as student_t
 from statsmodels.stats.proportion import proportion_confint
-
-DEFAULT_SEED = 0
-DEFAULT_BOOT = 10_000
 
 Interval = tuple[float, float]
 _NAN_CI: Interval = (math.nan, math.nan)
@@ -72,35 +68,6 @@ def trial_interval(values: Sequence[float], alpha: float = 0.05) -> tuple[float,
         return math.nan, _NAN_CI
     centre, lo, hi = log_t_interval(x, alpha)
     return float(centre), (float(lo), float(hi))
-
-
-def _percentile_ci(samples: np.ndarray, alpha: float = 0.05) -> Interval:
-    samples = samples[np.isfinite(samples)]
-    if samples.size == 0:
-        return _NAN_CI
-    lo, hi = np.quantile(samples, [alpha / 2, 1 - alpha / 2])
-    return float(lo), float(hi)
-
-
-def paired_accuracy_diff_ci(base_correct: Sequence[bool], new_correct: Sequence[bool],
-                            n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED) -> Interval:
-    """Paired bootstrap interval of accuracy(new) - accuracy(base), as a fraction.
-
-    Resampling items only matters through how many of each kind of pair is drawn (new-only
-    correct, base-only correct, agreeing), so the bootstrap draws those counts from a
-    multinomial: the same distribution as resampling items, without an item-index matrix.
-    """
-    a = np.asarray(base_correct, dtype=bool)
-    b = np.asarray(new_correct, dtype=bool)
-    if a.size == 0 or a.size != b.size:
-        return _NAN_CI
-    n = a.size
-    gain = int(np.sum(b & ~a))
-    loss = int(np.sum(a & ~b))
-    p = np.array([gain, loss, n - gain - loss], dtype=float) / n
-    rng = np.random.default_rng(seed)
-    counts = rng.multinomial(n, p, size=n_boot)
-    return _percentile_ci((counts[:, 0] - counts[:, 1]) / n)
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:

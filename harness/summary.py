@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,126 +18,13 @@ import pandas as pd
 
 from moebench import stats
 from moebench.errors import MoebenchError
-from moebench.fileio import read_jsonl
+from moebench.paired_accuracy import paired_difference, tango_interval
+from moebench.policy import DEFAULTS
+from moebench.run_data import RunData, load_run, per_item  # noqa: F401  (re-exported: callers read runs through here)
+from moebench.verdict import config_entry, format_p, judge_accuracy, verdict  # noqa: F401  (re-exported)
 
 SCHEMA = "moebench.summary/1"
-MANIFEST_SCHEMA = "moebench.manifest/1"
 FIRST_DIVERGENCE_CAP = 50
-
-
-@dataclass
-class RunData:
-    run_dir: Path
-    manifest: dict
-    samples: pd.DataFrame
-    trials: pd.DataFrame | None
-    steps: pd.DataFrame | None
-
-    @property
-    def config_names(self) -> list[str]:
-        return [c["name"] for c in self.manifest["configs"]]
-
-
-# ---------------------------------------------------------------- loading
-
-def _load_manifest(path: Path) -> dict:
-    if not path.is_file():
-        raise MoebenchError(f"{path}: missing (not a moebench results directory?)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoebenchError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict):
-        raise MoebenchError(f"{path}: expected a JSON object")
-    schema = manifest.get("schema", MANIFEST_SCHEMA)
-    if schema != MANIFEST_SCHEMA:
-        raise MoebenchError(f"{path}: schema {schema!r}, expected {MANIFEST_SCHEMA!r}")
-    configs = manifest.get("configs")
-    if not isinstance(configs, list) or not configs or not all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) for c in configs):
-        raise MoebenchError(f"{path}: 'configs' must be a non-empty list of objects with a 'name'")
-    names = [c["name"] for c in configs]
-    if len(set(names)) != len(names):
-        raise MoebenchError(f"{path}: duplicate config names in 'configs'")
-    baseline = manifest.get("baseline", names[0])
-    if baseline not in names:
-        raise MoebenchError(f"{path}: baseline {baseline!r} is not one of the configs {names}")
-    manifest["baseline"] = baseline
-    return manifest
-
-
-def _load_jsonl_table(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
-    records = read_jsonl(path)
-    for lineno, rec in enumerate(records, 1):
-        if not isinstance(rec, dict) or any(k not in rec for k in required):
-            missing = [k for k in required if not isinstance(rec, dict) or k not in rec]
-            raise MoebenchError(f"{path}: record {lineno} lacks {', '.join(missing)}")
-    df = pd.DataFrame.from_records(records)
-    if df.empty:
-        return pd.DataFrame(columns=list(required))
-    df["trial"] = pd.to_numeric(df["trial"], errors="coerce")
-    if df["trial"].isna().any():
-        raise MoebenchError(f"{path}: 'trial' must be an integer in every record")
-    df["trial"] = df["trial"].astype(int)
-    df["config"] = df["config"].astype(str)
-    return df
-
-
-def _load_samples(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise MoebenchError(f"{path}: missing (no samples: nothing to summarize)")
-    df = _load_jsonl_table(path, ("config", "trial", "item_id"))
-    if df.empty:
-        raise MoebenchError(f"{path}: no samples")
-    df["item_id"] = df["item_id"].astype(str)
-    for col, default in (("output", ""), ("answer", None), ("correct", False),
-                         ("finish_reason", None), ("error", None), ("itl_s", None)):
-        if col not in df:
-            df[col] = default
-    df["output"] = df["output"].fillna("").astype(str)
-    df["correct"] = df["correct"].map(lambda v: v is True or v == 1)
-    # A resumed run may re-append an item; the last complete line wins.
-    return df.drop_duplicates(subset=["config", "trial", "item_id"], keep="last").reset_index(drop=True)
-
-
-def _load_trials(path: Path) -> pd.DataFrame | None:
-    if not path.is_file():
-        return None
-    df = _load_jsonl_table(path, ("config", "trial"))
-    if df.empty:
-        return None
-    return df.drop_duplicates(subset=["config", "trial"], keep="last").sort_values(
-        ["config", "trial"]).reset_index(drop=True)
-
-
-def _load_steps(path: Path) -> pd.DataFrame | None:
-    if not path.is_file():
-        return None
-    try:
-        df = pd.read_parquet(path)
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise MoebenchError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from None
-    for col in ("config", "trial"):
-        if col not in df:
-            raise MoebenchError(f"{path}: missing column {col!r}")
-    if df.empty:
-        return None
-    df["config"] = df["config"].astype(str)
-    return df
-
-
-def load_run(run_dir: Path) -> RunData:
-    """Read a results directory; MoebenchError naming the file if something is unusable."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise MoebenchError(f"{run_dir}: not a directory")
-    return RunData(
-        run_dir=run_dir,
-        manifest=_load_manifest(run_dir / "manifest.json"),
-        samples=_load_samples(run_dir / "samples.jsonl"),
-        trials=_load_trials(run_dir / "trials.jsonl"),
-        steps=_load_steps(run_dir / "steps.parquet"),
-    )
 
 
 # ---------------------------------------------------------------- small helpers
@@ -192,15 +78,6 @@ def _decode_steps(steps: pd.DataFrame | None) -> pd.DataFrame | None:
         mask &= steps["phase"].astype(str) != "prefill"
     df = steps[mask]
     return df if not df.empty else None
-
-
-def per_item(samples: pd.DataFrame, name: str) -> pd.DataFrame:
-    """One sample per item for a config: trial 0's (the lowest trial that has the item).
-
-    Greedy decoding makes every trial give the same answer, so trial 0 stands for all.
-    """
-    df = samples[samples["config"] == name].sort_values("trial", kind="stable")
-    return df.drop_duplicates(subset=["item_id"], keep="first").set_index("item_id")
 
 
 # ---------------------------------------------------------------- throughput
@@ -453,8 +330,26 @@ def _first_diff(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
+def _accuracy_difference(samples: pd.DataFrame, name: str, base: str) -> dict:
+    """Config - baseline over every (item, trial) pair both answered, clustered by item (the
+    unit under sampling), in points: moebench.paired_accuracy.paired_difference."""
+    cols = ["item_id", "trial", "correct", "output"]
+    pair = samples[samples["config"] == base][cols].merge(
+        samples[samples["config"] == name][cols], on=["item_id", "trial"], suffixes=("_b", "_c"))
+    d = paired_difference(pd.factorize(pair["item_id"])[0], pair["correct_b"].to_numpy(bool),
+                          pair["correct_c"].to_numpy(bool))
+    pts = (lambda v: v * 100 if math.isfinite(v) else None)
+    ci = _ci((d["lower"], d["upper"]))
+    return {"points": pts(d["estimate"]), "ci95": [v * 100 for v in ci] if ci else None,
+            "method": d["method"], "items": d["items"], "pairs": d["pairs"], "trials": d["trials"],
+            "design_effect": d["design_effect"],
+            "discordant": {"baseline_only": d["loss"], "config_only": d["gain"]},
+            "identical_pairs": float((pair["output_b"] == pair["output_c"]).mean()) if len(pair) else None,
+            "detectable_drop": pts(d["detectable_drop"])}
+
+
 def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFrame],
-                 rates: dict[str, dict[str, dict[int, float]]], seed: int) -> dict:
+                 rates: dict[str, dict[str, dict[int, float]]]) -> dict:
     cols = ["output", "answer", "correct"]
     pair = items[base][cols].merge(items[name][cols], how="inner", left_index=True,
                                    right_index=True, suffixes=("_b", "_c"))
@@ -465,7 +360,8 @@ def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFra
     diverge = [{"item_id": str(i), "position": _first_diff(r.output_b, r.output_c)}
                for i, r in pair[~same].iterrows()][:FIRST_DIVERGENCE_CAP]
     differing_answers = int((pair["answer_b"].astype(str) != pair["answer_c"].astype(str)).sum())
-    delta_ci = _ci(stats.paired_accuracy_diff_ci(cb, cc, seed=seed))
+    # trial 0's interval, beside its McNemar test and delta (all trials: accuracy_difference)
+    delta_ci = _ci(tuple(float(v) for v in tango_interval(cfg_only, base_only, n))) if n else None
     return {
         # decode tok/s ratio (`speedup`, the schema's name) and whole-run output tok/s ratio
         "speedup": _speedup(rates["decode"][name], rates["decode"][base]),
@@ -524,8 +420,10 @@ def _trial_order(run: RunData) -> str:
     return "unknown" if pos.empty else ("rotated" if (pos > 1).any() else "fixed")
 
 
-def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
-    """Summary dict (schema moebench.summary/1) of a results directory; see module doc."""
+def build_summary(run_dir: Path, margin: float | None = None) -> dict:
+    """Summary dict (schema moebench.summary/1) of a results directory; see module doc. margin:
+    the non-inferiority margin of the accuracy verdicts, in points (default: the gate policy's)."""
+    margin = DEFAULTS.margin if margin is None else float(margin)
     run = load_run(Path(run_dir))
     m = run.manifest
     base = m["baseline"]
@@ -547,6 +445,8 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
             "kernel": spec.get("kernel"),
             "scheduler": spec.get("scheduler"),
             "prefetch": spec.get("prefetch"),
+            # allowed to change outputs (a negative control, an approximate profile or axis)
+            "approximate": bool(spec.get("approximate", False)),
             **({"server_args": spec["args"]} if "args" in spec else {}),  # a server profile's own arguments
             "trials": len(rates["decode"][name]) or int(mine["trial"].nunique()),
             "decode_tokens_per_s": decode,
@@ -570,7 +470,9 @@ def build_summary(run_dir: Path, seed: int = stats.DEFAULT_SEED) -> dict:
             "expert_load": t0.get("expert_load") if t0 and isinstance(t0.get("expert_load"), list) else None,
         }
         if name != base:
-            entry["vs_baseline"] = _vs_baseline(run, name, base, items, rates, seed)
+            vb = entry["vs_baseline"] = _vs_baseline(run, name, base, items, rates)
+            vb["accuracy_difference"] = _accuracy_difference(run.samples, name, base)
+            vb["accuracy_verdict"] = judge_accuracy(vb, margin, exact=not entry["approximate"])
         configs.append(entry)
 
     summary = {
@@ -635,67 +537,3 @@ def load_summary(run_dir: Path) -> dict:
     return build_summary(run_dir)
 
 
-# ---------------------------------------------------------------- verdict
-
-def config_entry(summary: dict, name: str) -> dict:
-    for c in summary["configs"]:
-        if c["name"] == name:
-            return c
-    raise MoebenchError(f"summary of run {summary.get('run_id')}: no config named {name!r}")
-
-
-def format_p(p: float | None) -> str:
-    if p is None:
-        return "n/a"
-    if p >= 0.9995:
-        return "1.0"
-    if p < 1e-4:
-        return "< 0.0001"
-    return f"{p:.3g}"
-
-
-def _speed_phrase(sp: dict, what: str = "") -> str:
-    med, ci = sp.get("median"), sp.get("ci95")
-    what = f" {what}" if what else ""
-    if med is None:
-        return f"speedup unknown{what} (no timing data)"
-    if ci is None:
-        return f"speedup {med:.2f}x{what} (no confidence interval: one trial)"
-    span = f"95% CI {ci[0]:.2f}-{ci[1]:.2f}, {len(sp.get('trials') or [])} trials"
-    if ci[0] > 1:
-        return f"speedup {med:.2f}x{what} ({span})"
-    if ci[1] < 1:
-        return f"slowdown{what}: {med:.2f}x the baseline's speed ({span})"
-    return f"no speed change detected{what}: {med:.2f}x ({span})"
-
-
-def _accuracy_phrase(cfg: dict, base: dict, vb: dict) -> str:
-    p, n = vb.get("mcnemar_p"), vb.get("paired_items") or 0
-    d = vb.get("discordant") or {}
-    if p is None or n == 0:
-        return "accuracy not comparable (no items in common with the baseline)"
-    pairs = f"{d.get('baseline_only', 0)} vs {d.get('config_only', 0)} discordant pairs"
-    if p >= 0.05:
-        return (f"no accuracy change detected: {vb.get('differing_answers', 0)} of {n} answers differ, "
-                f"{pairs} (McNemar p = {format_p(p)})")
-    ab, ac = base["accuracy"]["value"] or 0.0, cfg["accuracy"]["value"] or 0.0
-    return (f"accuracy changed: {ab:.2%} -> {ac:.2%} ({vb['accuracy_delta']:+.2f} points; "
-            f"{pairs}; McNemar p = {format_p(p)})")
-
-
-def verdict(summary: dict, name: str | None = None) -> str:
-    """One sentence on a config vs the baseline, e.g. 'speedup 1.90x (95% CI 1.80-2.00); ...'."""
-    name = name or summary.get("optimized")
-    if name is None:
-        return "no configuration to compare with the baseline"
-    cfg = config_entry(summary, name)
-    vb = cfg.get("vs_baseline")
-    if not vb:
-        return f"{name} is the baseline"
-    text = f"{_speed_phrase(vb['speedup'], 'in decode tok/s')}"
-    if vb.get("output_speedup") and vb["output_speedup"].get("median") is not None:
-        text += f"; {_speed_phrase(vb['output_speedup'], 'in output tok/s over the whole run')}"
-    text += f"; {_accuracy_phrase(cfg, config_entry(summary, summary['baseline']), vb)}"
-    if cfg["activation"].get("ok") is False:
-        text = f"NOT VALID, an optimization did not activate ({name}); " + text
-    return text

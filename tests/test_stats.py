@@ -100,25 +100,6 @@ def test_rotating_the_order_keeps_coverage_where_a_fixed_order_loses_it():
     assert _coverage(rotated, 1.5) >= 0.94
 
 
-def test_paired_accuracy_diff_matches_item_resampling():
-    n = 200
-    base = np.ones(n, bool)
-    base[:20] = False
-    new = base.copy()
-    new[:12] = True       # 12 gained
-    new[100:104] = False  # 4 lost
-    lo, hi = stats.paired_accuracy_diff_ci(base, new, n_boot=20_000, seed=0)
-    # The same bootstrap done the slow way, resampling items.
-    rng = np.random.default_rng(5)
-    idx = rng.integers(0, n, size=(20_000, n))
-    reps = new[idx].mean(1) - base[idx].mean(1)
-    elo, ehi = np.quantile(reps, [0.025, 0.975])
-    assert lo == pytest.approx(elo, abs=0.006)
-    assert hi == pytest.approx(ehi, abs=0.006)
-    assert lo < 8 / n < hi
-    assert stats.paired_accuracy_diff_ci(base, base) == (0.0, 0.0)
-
-
 def test_percentiles():
     out = stats.percentiles(list(range(1, 101)))
     assert out["mean"] == 50.5 and out["p50"] == 50.5

@@ -65,8 +65,19 @@ def test_speedup_and_accuracy(summary):
     assert va["discordant"] == {"baseline_only": 2, "config_only": 0}
     assert va["mcnemar_p"] == pytest.approx(0.5)
     assert va["accuracy_delta"] == pytest.approx(-5.0)
+    # Tango's score interval of 0 gained and 2 lost of 40 (its bounds solved independently in
+    # tests/test_verdict.py); the old percentile bootstrap gave [-12.5, 0]: no room for a gain
     lo, hi = va["accuracy_delta_ci95"]
-    assert lo < -5.0 <= hi <= 0
+    assert (lo, hi) == (pytest.approx(-16.504, abs=1e-3), pytest.approx(4.200, abs=1e-3))
+    # Three greedy trials repeat the same answers: clustered by item, they count as one
+    diff = va["accuracy_difference"]
+    assert (diff["items"], diff["pairs"], diff["trials"], diff["design_effect"]) == (40, 120, 3, 3.0)
+    assert diff["ci95"] == [pytest.approx(lo), pytest.approx(hi)]
+    assert diff["discordant"] == {"baseline_only": 6, "config_only": 0}
+    assert va["accuracy_verdict"]["verdict"] == "inconclusive"  # 40 items cannot rule out 1 point
+    assert va["accuracy_verdict"]["margin"] == 1.0
+    assert "would have been detected with 80% power; none was" in va["accuracy_verdict"]["statement"]
+    assert vk["accuracy_verdict"]["verdict"] == "inconclusive"  # two outputs differ: not identical
     assert va["differing_answers"] == 2
 
 

@@ -1,0 +1,142 @@
+"""Reading a results directory (docs/results-format.md) into tables: the manifest, samples,
+trials and steps, each checked as it is read; a file that is missing or malformed is a
+MoebenchError naming it. Trials and steps are optional (None when absent).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from moebench.errors import MoebenchError
+from moebench.fileio import read_jsonl
+
+MANIFEST_SCHEMA = "moebench.manifest/1"
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    manifest: dict
+    samples: pd.DataFrame
+    trials: pd.DataFrame | None
+    steps: pd.DataFrame | None
+
+    @property
+    def config_names(self) -> list[str]:
+        return [c["name"] for c in self.manifest["configs"]]
+
+
+# ---------------------------------------------------------------- loading
+
+def _load_manifest(path: Path) -> dict:
+    if not path.is_file():
+        raise MoebenchError(f"{path}: missing (not a moebench results directory?)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoebenchError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise MoebenchError(f"{path}: expected a JSON object")
+    schema = manifest.get("schema", MANIFEST_SCHEMA)
+    if schema != MANIFEST_SCHEMA:
+        raise MoebenchError(f"{path}: schema {schema!r}, expected {MANIFEST_SCHEMA!r}")
+    configs = manifest.get("configs")
+    if not isinstance(configs, list) or not configs or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in configs):
+        raise MoebenchError(f"{path}: 'configs' must be a non-empty list of objects with a 'name'")
+    names = [c["name"] for c in configs]
+    if len(set(names)) != len(names):
+        raise MoebenchError(f"{path}: duplicate config names in 'configs'")
+    baseline = manifest.get("baseline", names[0])
+    if baseline not in names:
+        raise MoebenchError(f"{path}: baseline {baseline!r} is not one of the configs {names}")
+    manifest["baseline"] = baseline
+    return manifest
+
+
+def _load_jsonl_table(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
+    records = read_jsonl(path)
+    for lineno, rec in enumerate(records, 1):
+        if not isinstance(rec, dict) or any(k not in rec for k in required):
+            missing = [k for k in required if not isinstance(rec, dict) or k not in rec]
+            raise MoebenchError(f"{path}: record {lineno} lacks {', '.join(missing)}")
+    df = pd.DataFrame.from_records(records)
+    if df.empty:
+        return pd.DataFrame(columns=list(required))
+    df["trial"] = pd.to_numeric(df["trial"], errors="coerce")
+    if df["trial"].isna().any():
+        raise MoebenchError(f"{path}: 'trial' must be an integer in every record")
+    df["trial"] = df["trial"].astype(int)
+    df["config"] = df["config"].astype(str)
+    return df
+
+
+def _load_samples(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        raise MoebenchError(f"{path}: missing (no samples: nothing to summarize)")
+    df = _load_jsonl_table(path, ("config", "trial", "item_id"))
+    if df.empty:
+        raise MoebenchError(f"{path}: no samples")
+    df["item_id"] = df["item_id"].astype(str)
+    for col, default in (("output", ""), ("answer", None), ("correct", False),
+                         ("finish_reason", None), ("error", None), ("itl_s", None)):
+        if col not in df:
+            df[col] = default
+    df["output"] = df["output"].fillna("").astype(str)
+    df["correct"] = df["correct"].map(lambda v: v is True or v == 1)
+    # A resumed run may re-append an item; the last complete line wins.
+    return df.drop_duplicates(subset=["config", "trial", "item_id"], keep="last").reset_index(drop=True)
+
+
+def _load_trials(path: Path) -> pd.DataFrame | None:
+    if not path.is_file():
+        return None
+    df = _load_jsonl_table(path, ("config", "trial"))
+    if df.empty:
+        return None
+    return df.drop_duplicates(subset=["config", "trial"], keep="last").sort_values(
+        ["config", "trial"]).reset_index(drop=True)
+
+
+def _load_steps(path: Path) -> pd.DataFrame | None:
+    if not path.is_file():
+        return None
+    try:
+        df = pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise MoebenchError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from None
+    for col in ("config", "trial"):
+        if col not in df:
+            raise MoebenchError(f"{path}: missing column {col!r}")
+    if df.empty:
+        return None
+    df["config"] = df["config"].astype(str)
+    return df
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Read a results directory; MoebenchError naming the file if something is unusable."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MoebenchError(f"{run_dir}: not a directory")
+    return RunData(
+        run_dir=run_dir,
+        manifest=_load_manifest(run_dir / "manifest.json"),
+        samples=_load_samples(run_dir / "samples.jsonl"),
+        trials=_load_trials(run_dir / "trials.jsonl"),
+        steps=_load_steps(run_dir / "steps.parquet"),
+    )
+
+
+def per_item(samples: pd.DataFrame, name: str) -> pd.DataFrame:
+    """One sample per item for a config: trial 0's (the lowest trial that has the item).
+
+    Greedy decoding makes every trial give the same answer, so trial 0 stands for all.
+    """
+    df = samples[samples["config"] == name].sort_values("trial", kind="stable")
+    return df.drop_duplicates(subset=["item_id"], keep="first").set_index("item_id")
+
