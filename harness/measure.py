@@ -18,11 +18,30 @@ from moebench.fileio import append_jsonl, atomic_write_bytes, atomic_write_json,
 console = Console(stderr=True)
 
 
-def _requests(suite, items, max_new_tokens):
+def _requests(suite, items, max_new_tokens, sampling=None, trial: int = 0):
+    """The suite's requests. Under sampling (`sampling`: the run's settings, its seed the run seed)
+    each gets its own seed from (run seed, trial, item id): paired across configurations, new per trial."""
     from moebench.engine import Request
 
     stop = tuple(suite.stop)
-    return [Request(item.id, suite.prompt(item), max_new_tokens, stop) for item in items]
+    if sampling is None or sampling.greedy:
+        return [Request(item.id, suite.prompt(item), max_new_tokens, stop) for item in items]
+    from dataclasses import replace
+
+    from moebench.engine.sampling import request_seed
+
+    return [Request(item.id, suite.prompt(item), max_new_tokens, stop,
+                    replace(sampling, seed=request_seed(sampling.seed, trial, item.id))) for item in items]
+
+
+def run_sampling(args: dict):
+    """The run's sampling settings (seed: the run seed), or None for greedy decoding."""
+    if not args.get("temperature"):
+        return None
+    from moebench.engine.sampling import SamplingParams
+
+    return SamplingParams(float(args["temperature"]), float(args.get("top_p") or 1.0), args.get("top_k"),
+                          int(args.get("seed") or 0))
 
 
 def _completed_trials(run_dir: Path) -> set[tuple[str, int]]:
@@ -76,7 +95,7 @@ class CheckpointVariants:
         return self._quantized[cfg.quantize]
 
 
-def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items: int) -> None:
+def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items: int, sampling=None) -> None:
     """Run a few items per config; a switched-on optimization that leaves no evidence stops the run."""
     from moebench.engine import Engine
 
@@ -87,7 +106,7 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
     # staggered limits make requests finish at different steps even on a model that never stops,
     # so a continuous scheduler has to admit into a running batch to pass the check
     longest = min(base_runtime.max_new_tokens, 64)
-    requests = _requests(suite, items, longest)
+    requests = _requests(suite, items, longest, sampling, trial=-1)  # (trial -1: not a measured trial's seeds)
     for i, request in enumerate(requests):
         request.max_new_tokens = max(2, longest * (1 + i % 3) // 3)
     seen = {}  # config name -> its warm-up evidence, judged against the baseline's below
@@ -98,11 +117,21 @@ def warm_up(configs, ckpt, tokenizer, suite, base_runtime, runtime_for, n_items:
         seen[cfg.name] = result.evidence
         # Every run, however small: only continuous batching's mid-flight admission depends on
         # the workload, and the engine itself says when it had no chance (not an error).
-        if result.activation_errors:
-            raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
+        errors = result.activation_errors + sampling_errors(sampling, result.evidence)
+        if errors:
+            raise ActivationError(f"config '{cfg.name}': " + "; ".join(errors))
     from moebench.engines.discrimination import refuse_bundled_non_discriminating
 
     refuse_bundled_non_discriminating(configs, seen, len(requests), base_runtime.batch_size)
+
+
+def sampling_errors(sampling, evidence) -> list[str]:
+    """The run asked for sampling: the engine's evidence must show it drew (engine/sampling.py)."""
+    if sampling is None:
+        return []
+    from moebench.engine.sampling import sampling_activation_errors
+
+    return sampling_activation_errors(sampling, evidence)
 
 
 def trial_order(configs, trial: int) -> list:
@@ -144,7 +173,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     if backend is None:
         from moebench.engines.bundled import BundledBackend
 
-        backend = BundledBackend(configs, CheckpointVariants(ckpt), tokenizer, base_runtime)
+        backend = BundledBackend(configs, CheckpointVariants(ckpt), tokenizer, base_runtime, run_sampling(args))
     configs = backend.configs
     max_new_tokens = base_runtime.max_new_tokens if base_runtime is not None else args["max_new_tokens"]
     done = _completed_trials(run_dir)
@@ -152,7 +181,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     steps = _load_steps(run_dir, done)
     todo = [(t, c) for t in range(repeats) for c in trial_order(configs, t) if (c.name, t) not in done]
     items_by_id = {item.id: item for item in suite.items}
-    requests = _requests(suite, suite.items, max_new_tokens)
+    sampling = run_sampling(args)
     if done:
         console.print(f"resuming {run_dir}: {len(done)} trials done, {len(todo)} to go")
     if todo:
@@ -170,8 +199,9 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     )
     try:
         with progress:
-            overall = progress.add_task("all trials", total=len(todo) * len(requests), rate="")
+            overall = progress.add_task("all trials", total=len(todo) * len(suite.items), rate="")
             for trial, cfg in todo:
+                requests = _requests(suite, suite.items, max_new_tokens, sampling, trial)
                 task = progress.add_task(f"{cfg.name} #{trial}", total=len(requests), rate="")
                 tokens = [0]
 
@@ -189,7 +219,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
-                failed = result.activation_errors
+                failed = result.activation_errors + sampling_errors(sampling, result.evidence)
                 output_tokens = sum(c.output_tokens for c in result.completions)
                 idle = not_exercised(cfg, result.evidence, len(requests), base_runtime)
                 if failed:

@@ -6,11 +6,12 @@ from contextlib import contextmanager
 
 
 class BundledBackend:
-    def __init__(self, configs, checkpoints, tokenizer, base_runtime):
+    def __init__(self, configs, checkpoints, tokenizer, base_runtime, sampling=None):
         self.configs = configs
         self.checkpoints = checkpoints  # cfg -> the checkpoint it runs (negative controls are quantized)
         self.tokenizer = tokenizer
         self.base_runtime = base_runtime
+        self.sampling = sampling  # the run's sampling settings (None: greedy), checked in the warm-up too
 
     @contextmanager
     def session(self, cfg, label: str = ""):
@@ -24,7 +25,7 @@ class BundledBackend:
         from moebench.measure import warm_up
 
         warm_up(self.configs, self.checkpoints, self.tokenizer, suite, self.base_runtime,
-                run_module._runtime_for, n_items)
+                run_module._runtime_for, n_items, self.sampling)
 
     def close(self) -> None:
         pass

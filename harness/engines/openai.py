@@ -150,8 +150,10 @@ class OpenAIEngine:
             body["top_p"] = o.top_p
         if o.top_k is not None:
             body["top_k"] = o.top_k
-        if o.temperature > 0:
-            body["seed"] = request_seed(o.seed, request.id)
+        if o.temperature > 0:  # the request's own seed (per trial: harness/measure.py), else one from the run seed
+            sampling = getattr(request, "sampling", None)
+            body["seed"] = sampling.seed if sampling is not None and not sampling.greedy \
+                else request_seed(o.seed, request.id)
         return body
 
     async def _one(self, client, request) -> HttpCompletion:
