@@ -223,7 +223,7 @@ def test_warm_up_refuses_evidence_the_baseline_server_also_shows(tmp_path):
         backend.warm_up(None, 0)
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{path}: profile 'slots': evidence ")
-    assert "also holds for the baseline 'baseline'" in message and "baseline-warmup.log" in message
+    assert "also holds for the baseline 'baseline'" in message
     # the baseline's server was asked /props for the other configuration; 'slots' never started
     assert "GET /props" in (tmp_path / "run" / "servers" / "baseline-warmup.log").read_text()
     assert not (tmp_path / "run" / "servers" / "slots-warmup.log").exists()

@@ -81,7 +81,7 @@ def refuse_non_discriminating(source: Path | str, baseline: Profile, others, obs
     for profile in others:
         problem = judge(profile, observation).problem(baseline.name)
         if problem:
-            raise MoebenchError(f"{source}: {problem} (baseline seen in {observation.source or 'its observation'})")
+            raise MoebenchError(f"{source}: {problem}")
 
 
 # ----------------------------------------------------------------- the bundled runtime
