@@ -3,26 +3,41 @@
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 
+@contextmanager
+def naming(path):
+    """An OSError raised inside names `path`: a write or fsync on an open file (a full disk, say)
+    raises one without a file name, and "No space left on device" alone does not say where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror or str(e), str(path)) from e
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results and reports are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _sync_dir(path.parent)
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; results and reports are meant to be shared
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    with naming(path.parent):
+        _sync_dir(path.parent)
 
 
 def _sync_dir(directory: Path) -> None:
@@ -48,6 +63,11 @@ def append_jsonl(path: Path, record: dict) -> None:
     All or nothing: when the write fails (a full disk, a file-size limit), the file is cut back
     to where it was, so no half record is left for the next append to glue onto."""
     data = (json.dumps(record) + "\n").encode("utf-8")
+    with naming(path):
+        _append(path, data)
+
+
+def _append(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
@@ -121,6 +141,6 @@ def read_jsonl(path: Path) -> list[dict]:
                 continue
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise MoebenchError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
+            except json.JSONDecodeError as e:  # e.msg alone can end mid-sentence ("Invalid control character at")
+                raise MoebenchError(f"{path}:{lineno}: malformed JSON line ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     return records

@@ -28,8 +28,16 @@ def _figure(width: float = 7.0, height: float = 4.0, ncols: int = 1):
 
 
 def _save(fig: Figure, path: Path) -> Path:
+    """Drawn in memory, then written atomically: a full disk leaves the old plot or none, never a
+    0-byte PNG that the report would link to."""
+    import io
+
+    from moebench.fileio import atomic_write_bytes
+
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(Path(path), buf.getvalue())
     return path
 
 

@@ -27,7 +27,7 @@ def _longest(suite_name: str, num_fewshot: int, limit: int, data=None) -> int:
     return max(len(tok.encode(suite.prompt(item)).ids) for item in suite.items)
 
 
-def test_few_shot_prompts_beyond_the_context_are_refused_before_a_folder_is_claimed(tmp_path):
+def test_few_shot_prompts_beyond_the_context_are_refused_and_leave_no_folder(tmp_path):
     longest = _longest("gsm-synth", 8, 6)
     assert longest + 256 > 512  # the bundled model's context: this workload cannot fit
     out = tmp_path / "results"
