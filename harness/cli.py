@@ -27,7 +27,7 @@ def _root() -> None:
 
 # Command registrations: one line per command. Importing a command's module must stay light (no
 # torch/transformers/pandas at its top): all of them are imported to answer `moebench --help`.
-from moebench import gate, kernels_cli, report, train_cli  # noqa: E402
+from moebench import gate, kernels_cli, plan, report, train_cli  # noqa: E402
 from moebench.bench_engine import bench_engine_command  # noqa: E402
 from moebench.run import run_command  # noqa: E402
 from moebench.serve import serve_command  # noqa: E402
@@ -40,6 +40,7 @@ from moebench import profiles_cli  # noqa: E402
 app.command("run")(run_command)
 app.command("report")(report.report_command)
 app.command("gate")(gate.gate_command)
+app.command("plan")(plan.plan_command)
 app.command("bench-engine")(bench_engine_command)
 app.command("train-bundled")(train_cli.train_bundled_command)
 app.command("serve")(serve_command)

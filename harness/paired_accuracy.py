@@ -171,3 +171,19 @@ def planned_drop(items: int, baseline_accuracy: float, trials: int = 1, alpha: f
     rare = detectable_drop(items, 0.0, alpha, power)
     independent = detectable_drop(items * trials, 2 * p * (1 - p), alpha, power)
     return {"rare": float(rare), "independent": float(independent)}
+
+
+def items_for_margin(margin: float, baseline_accuracy: float, trials: int = 1, alpha: float = ALPHA,
+                     power: float = POWER) -> dict:
+    """Items a run needs for a non-inferior verdict at `margin` (a fraction) when accuracy truly
+    did not change, in the same two cases as planned_drop:
+
+    rare: no answer changes: the score interval of 0 discordant pairs in n items reaches
+          -z^2 / (n + z^2), so n > z^2 (1 - margin) / margin (then the verdict is certain);
+    independent: the interval's half-width z sqrt(psi / (n trials)) must fall below the margin
+          with probability `power`: n = (z(1 - alpha/2) + z(power))^2 psi / (margin^2 trials)."""
+    p = float(baseline_accuracy)
+    za, zb = _z(1 - alpha / 2), _z(power)
+    rare = math.floor(za * za * (1 - margin) / margin) + 1
+    independent = math.ceil((za + zb) ** 2 * 2 * p * (1 - p) / (margin * margin * trials))
+    return {"rare": int(rare), "independent": int(independent)}
