@@ -3,8 +3,9 @@
     lm_eval.simple_evaluate(model="moebench", model_args="kernel=fused,scheduler=continuous", ...)
 
 `generate_until` runs every request of a generation setting through one `Engine.generate`, so the
-scheduler batches them exactly as `moebench run` does; decoding is greedy (a request asking for
-sampling is an error, not silently greedy). `loglikelihood` scores context + continuation with one
+scheduler batches them exactly as `moebench run` does; decoding is greedy unless the task's
+generation settings ask for sampling (`do_sample`, `temperature`, `top_p`, `top_k`), which runs
+engine/sampling.py with a seed per request from (model_args `seed`, repeat, task and document). `loglikelihood` scores context + continuation with one
 prefill that keeps the logits of every position (`EngineSession.token_logprobs`).
 `loglikelihood_rolling` (perplexity tasks) is not offered.
 
@@ -43,12 +44,13 @@ def _bool(value) -> bool:
 @register_model("moebench")
 class MoebenchLM(LM):
     """model_args: model (checkpoint dir; default the bundled model), kernel, scheduler, prefetch,
-    batch_size, max_gen_toks (default 256), expert_budget, offload_tier, admission, device, threads."""
+    batch_size, max_gen_toks (default 256), expert_budget, offload_tier, admission, device, threads,
+    seed (of the sampling streams; default 0)."""
 
     def __init__(self, model: str | None = None, kernel: str = "naive", scheduler: str = "static",
                  prefetch: str = "off", batch_size: int | str = 16, max_gen_toks: int = 256,
                  expert_budget: str | float = "1.0", offload_tier: str = "host", admission: str = "affinity",
-                 device: str = "cpu", threads: int | None = 1, **unused):
+                 device: str = "cpu", threads: int | None = 1, seed: int | str = 0, **unused):
         super().__init__()
         import torch
 
@@ -71,6 +73,8 @@ class MoebenchLM(LM):
         self.max_length = ckpt.config.max_position_embeddings
         self.activation_errors: list[str] = []
         self.evidence: list[dict] = []
+        self.seed = int(seed)
+        self._draws: dict[str, int] = {}  # (task, document) -> requests seen: repeats get new seeds
         self._scorer = None
 
     @classmethod
@@ -94,20 +98,15 @@ class MoebenchLM(LM):
             if isinstance(until, str):
                 until = [until]
             max_gen = int(gen_kwargs.pop("max_gen_toks", self.runtime.max_new_tokens))
-            do_sample = _bool(gen_kwargs.pop("do_sample", False))
-            temperature = float(gen_kwargs.pop("temperature", 0.0) or 0.0)
-            if do_sample or temperature > 0:
-                raise MoebenchError(f"moebench lm-eval model: greedy decoding only (got do_sample={do_sample}, "
-                                    f"temperature={temperature})")
-            gen_kwargs.pop("top_p", None), gen_kwargs.pop("top_k", None)
+            sampling = self._sampling(gen_kwargs, instance, i)
             if gen_kwargs:
                 raise MoebenchError(f"moebench lm-eval model: unsupported generation settings {sorted(gen_kwargs)}")
-            settings.append((context, tuple(until), max_gen))
+            settings.append((context, tuple(until), max_gen, sampling))
             groups.setdefault((tuple(until), max_gen), []).append(i)
 
         outputs: list[str | None] = [None] * len(requests)
         for (until, max_gen), indices in groups.items():
-            batch = [Request(str(i), settings[i][0], max_gen, until) for i in indices]
+            batch = [Request(str(i), settings[i][0], max_gen, until, settings[i][3]) for i in indices]
             check_fits(max(len(self.engine.encode(r.prompt)) for r in batch), max_gen, self.max_length,
                        "moebench lm-eval model", hint="use fewer few-shot examples (--num-fewshot)")
             result = self.engine.generate(batch)
@@ -118,6 +117,35 @@ class MoebenchLM(LM):
                 outputs[int(c.id)] = c.text
                 self.cache_hook.add_partial("generate_until", (settings[int(c.id)][0], {"until": list(until)}), c.text)
         return outputs
+
+    def _sampling(self, gen_kwargs: dict, instance, index: int):
+        """The request's SamplingParams from lm-eval's (Hugging Face style) generation settings. A
+        contradiction (do_sample false with a temperature, or true with temperature 0) is refused,
+        never quietly resolved one way."""
+        from moebench.engine.sampling import GREEDY, SamplingParams, check_sampling, request_seed
+
+        do_sample = gen_kwargs.pop("do_sample", None)
+        temperature = gen_kwargs.pop("temperature", None)
+        top_p, top_k = gen_kwargs.pop("top_p", None), gen_kwargs.pop("top_k", None)
+        temperature = None if temperature is None else float(temperature)
+        if do_sample is not None and not _bool(do_sample):
+            if temperature:
+                raise MoebenchError(f"moebench lm-eval model: do_sample=false with temperature={temperature} "
+                                    "(set do_sample=true to sample)")
+            return GREEDY
+        if do_sample is not None and temperature is None:
+            temperature = 1.0  # Hugging Face's default when sampling
+        if not temperature:
+            if do_sample is not None:
+                raise MoebenchError("moebench lm-eval model: do_sample=true with temperature=0")
+            return GREEDY
+        top_p = 1.0 if top_p is None else float(top_p)
+        top_k = None if top_k in (None, 0, -1) else int(top_k)
+        check_sampling(temperature, top_p, top_k, "moebench lm-eval model: ")
+        doc = f"{getattr(instance, 'task_name', None)}:{getattr(instance, 'doc_id', index)}"
+        repeat = self._draws.get(doc, 0)
+        self._draws[doc] = repeat + 1
+        return SamplingParams(temperature, top_p, top_k, request_seed(self.seed, repeat, doc))
 
     # ------------------------------------------------------------------ scoring
 

@@ -15,8 +15,10 @@ and starts the next batch when this one ends. After each step the engine sends t
 every sequence in one message; the front end detokenizes them and each response streams its pieces
 as they come.
 
-Decoding is greedy (the runtime's only mode): a request asking for sampling gets a 400, as does
-anything else the runtime cannot honour. Limits: prompt plus max_tokens within `--max-model-len`,
+Decoding is greedy unless a request (or the server's --temperature default) asks for sampling:
+`temperature`, `top_p`, `top_k` and OpenAI's `seed` are honoured, and a request with a seed gets
+the tokens `moebench run` gets in-process for that seed (engine/sampling.py; without a seed the
+server draws one). Anything the runtime cannot honour gets a 400. Limits: prompt plus max_tokens within `--max-model-len`,
 at most `--max-queue` requests in the server at once (more get a 429), request bodies up to 4 MiB.
 """
 
@@ -33,6 +35,7 @@ from typing import Optional
 import typer
 
 from moebench.errors import MoebenchError
+from moebench.options import TEMPERATURE, TOP_K, TOP_P, check_sampling_options
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -131,6 +134,7 @@ class Handle:
     max_tokens: int
     stops: tuple[str, ...]
     stream: TextStream
+    sampling: object = None  # moebench.engine.sampling.SamplingParams (None: greedy)
     output_ids: list[int] = field(default_factory=list)
     key: int = -1  # the engine's name for it
     arrival: float = field(default_factory=time.perf_counter)
@@ -219,7 +223,7 @@ class EngineClient:
             self._live[h.key] = h
         self.in_server += len(handles)
         self.m_prompt_tokens += sum(len(h.prompt_ids) for h in handles)
-        self._send(("add", [(h.key, h.prompt_ids, h.max_tokens, h.stops, h.arrival) for h in handles]))
+        self._send(("add", [(h.key, h.prompt_ids, h.max_tokens, h.stops, h.arrival, h.sampling) for h in handles]))
 
     def abort(self, handles: list[Handle]) -> None:
         if self.failed is None:
@@ -320,6 +324,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str
+    sampling: object = None  # moebench.engine.sampling.SamplingParams
 
 
 def _field(body: dict, name: str, kinds, default=None):
@@ -339,13 +344,14 @@ class RequestParser:
     """Checks a request body against what the runtime can do; anything else is a 400."""
 
     def __init__(self, tokenizer, vocab_size: int, served_model: str, max_model_len: int, default_max_tokens: int,
-                 chat_template):
+                 chat_template, default_sampling=None):
         self.tokenizer = tokenizer
         self.served_model = served_model
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.vocab_size = vocab_size
         self.chat_template = chat_template
+        self.default_sampling = default_sampling  # the server's --temperature/--top-p/--top-k (None: greedy)
 
     def parse(self, body, chat: bool) -> Parsed:
         if not isinstance(body, dict):
@@ -354,7 +360,7 @@ class RequestParser:
         if model != self.served_model:
             raise ApiError(404, f"model '{model}' does not exist (this server serves '{self.served_model}')",
                            "model_not_found")
-        self._sampling(body)
+        sampling = self._sampling(body)
         if chat:
             prompts = [self._chat_prompt(body.get("messages"))]
             limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -377,26 +383,35 @@ class RequestParser:
         if options and not stream:
             raise _bad("stream_options is only allowed with stream: true")
         return Parsed(prompts, max_tokens, self._stops(body.get("stop")), stream,
-                      bool(options.get("include_usage", False)), model)
+                      bool(options.get("include_usage", False)), model, sampling)
 
-    def _sampling(self, body: dict) -> None:
-        temperature = _field(body, "temperature", (int, float), 0)
-        if temperature != 0:
-            raise _bad(f"temperature {temperature}: this runtime decodes greedily only (send 0 or omit it)",
-                       "unsupported_sampling")
-        top_p = _field(body, "top_p", (int, float), 1)
-        if top_p != 1:
-            raise _bad(f"top_p {top_p}: this runtime decodes greedily only", "unsupported_sampling")
-        top_k = _field(body, "top_k", int, -1)
-        if top_k not in (-1, 0, 1):
-            raise _bad(f"top_k {top_k}: this runtime decodes greedily only", "unsupported_sampling")
+    def _sampling(self, body: dict):
+        """The request's SamplingParams (engine/sampling.py); what is not given comes from the server's
+        defaults. top_k -1 or 0 means no cut (vLLM's and llama.cpp's convention)."""
+        from moebench.engine.sampling import SamplingParams
+
+        default = self.default_sampling or SamplingParams()
+        temperature = _field(body, "temperature", (int, float), default.temperature)
+        top_p = _field(body, "top_p", (int, float), default.top_p)
+        top_k = _field(body, "top_k", int, default.top_k)
+        if top_k in (-1, 0):
+            top_k = None
+        seed = _field(body, "seed", int)
+        if seed is not None and not -(1 << 63) <= seed < (1 << 64):
+            raise _bad(f"seed {seed}: must fit in 64 bits", "invalid_seed")
+        if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
+            raise _bad(f"temperature must be a finite number >= 0, got {temperature}", "invalid_sampling")
+        if not 0 < top_p <= 1:
+            raise _bad(f"top_p must be in (0, 1], got {top_p}", "invalid_sampling")
+        if top_k is not None and top_k < 1:
+            raise _bad(f"top_k must be >= 1, or -1 or 0 for no cut, got {top_k}", "invalid_sampling")
         for name in ("presence_penalty", "frequency_penalty"):
             if _field(body, name, (int, float), 0) != 0:
                 raise _bad(f"{name} is not supported by this runtime", "unsupported_parameter")
         if _field(body, "repetition_penalty", (int, float), 1) != 1:
             raise _bad("repetition_penalty is not supported by this runtime", "unsupported_parameter")
         if _field(body, "n", int, 1) != 1 or _field(body, "best_of", int, 1) != 1:
-            raise _bad("n and best_of must be 1 (greedy decoding gives one answer)", "unsupported_parameter")
+            raise _bad("n and best_of must be 1 (one completion per prompt)", "unsupported_parameter")
         if _field(body, "echo", bool, False):
             raise _bad("echo is not supported by this runtime", "unsupported_parameter")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
@@ -404,7 +419,13 @@ class RequestParser:
                        "`moebench lm-eval`, which runs the model in-process)", "unsupported_parameter")
         if body.get("logit_bias"):
             raise _bad("logit_bias is not supported by this runtime", "unsupported_parameter")
-        _field(body, "seed", int)  # accepted: greedy decoding does not draw, so it changes nothing
+        if temperature == 0:  # greedy: nothing is drawn, so top_p, top_k and seed change nothing
+            return SamplingParams()
+        if seed is None:  # as OpenAI's API: no seed, no promise of the same tokens twice
+            import secrets
+
+            seed = secrets.randbits(63)
+        return SamplingParams(float(temperature), float(top_p), top_k, seed & ((1 << 64) - 1))
 
     def _prompts(self, prompt) -> list[list[int]]:
         if prompt is None:
@@ -581,7 +602,8 @@ def build_app(serving: EngineClient, parser: RequestParser, served_model: str, l
             return
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         sink: asyncio.Queue = asyncio.Queue()
-        handles = [Handle(i, sink, ids, parsed.max_tokens, parsed.stops, TextStream(serving.tokenizer, parsed.stops))
+        handles = [Handle(i, sink, ids, parsed.max_tokens, parsed.stops, TextStream(serving.tokenizer, parsed.stops),
+                          parsed.sampling)
                    for i, ids in enumerate(parsed.prompts)]
         serving.submit(handles)
         if log_requests:
@@ -783,6 +805,9 @@ def serve_command(
     device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (as for run); 0 = torch's own choice."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log one line per request on stderr."),
+    temperature: float = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
 ):
     """Serve the runtime behind an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     import socket
@@ -793,6 +818,7 @@ def serve_command(
 
     if not 0 <= port <= 65535:
         raise MoebenchError(f"--port must be in 0..65535, got {port}")
+    check_sampling_options(temperature, top_p, top_k)
     if max_queue < 1:
         raise MoebenchError(f"--max-queue must be >= 1, got {max_queue}")
     if threads is not None and threads < 0:
@@ -818,8 +844,12 @@ def serve_command(
     options = CoreOptions(str(model_path), runtime, max_model_len, max_queue, window / 1000, threads)
     serving = EngineClient(options, model_path, close_fds=(sock.fileno(),))
     served = served_model_name or ("bundled" if model is None else model_path.resolve().name)
+    from moebench.engine.sampling import SamplingParams
+
+    # the defaults of requests that leave them out (seed: per request, or drawn by the server)
+    defaults = SamplingParams(temperature, 1.0 if top_p is None else top_p, top_k)
     parser = RequestParser(serving.tokenizer, serving.vocab_size, served, serving.max_model_len, max_new_tokens,
-                           load_chat_template(model_path))
+                           load_chat_template(model_path), defaults)
     app = build_app(serving, parser, served, log_requests)
 
     import uvicorn

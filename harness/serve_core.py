@@ -8,7 +8,7 @@ steps, reads whatever the front end sent (`poll(0)`, a syscall). Detokenizing fo
 the front end's job; the engine sends token ids.
 
 Messages, front end -> engine:
-  ("add", [(key, prompt_ids, max_tokens, stops, arrival), ...])
+  ("add", [(key, prompt_ids, max_tokens, stops, arrival, sampling), ...])   sampling: SamplingParams or None
   ("abort", [key, ...])
   ("evidence", call_id)
   None                                      stop
@@ -120,8 +120,11 @@ class EngineCore:
         if kind == "add":
             from moebench.engine.sequence import Request, Sequence
 
-            for key, prompt_ids, max_tokens, stops, arrival in message[1]:
-                seq = Sequence(Request(f"r{key}", "", max_tokens, stops), prompt_ids, max_tokens, arrival)
+            from moebench.engine.sampling import GREEDY
+
+            for key, prompt_ids, max_tokens, stops, arrival, sampling in message[1]:
+                request = Request(f"r{key}", "", max_tokens, stops, sampling or GREEDY)
+                seq = Sequence(request, prompt_ids, max_tokens, arrival)
                 self.live[key] = (0, seq)
                 self.key_of[id(seq)] = key
                 self.session.add(seq)
