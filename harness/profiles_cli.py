@@ -42,7 +42,8 @@ def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[
         raise MoebenchError(f"{folder}: no recorded output of the baseline ({base.name}.log)")
     engine = pf.checked.get("engine", "not named in the profile")
     echo(f"{pf.path}: checked against {engine}; recorded output in {folder}")
-    problems: list[str] = []
+    problems: list[str] = []  # evidence that does not discriminate
+    failing: list[str] = []  # evidence that fails on its own configuration's output
     for profile in pf.profiles:
         own = load_observation(folder, profile.name)
         echo(f"\n[{profile.name}]" + (" (baseline)" if profile is base else "") +
@@ -67,9 +68,9 @@ def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[
         errors = [e for when in ("start", "end") for e in evaluate(profile.evidence, when, own)[1]]
         echo("  on its own recorded output: " + ("every item holds" if not errors else "; ".join(errors)))
         if errors:
-            problems.append(f"{pf.path}: profile '{profile.name}': its evidence fails on its own recorded output "
-                            f"({own.source}): {errors[0]}")
-    return problems
+            failing.append(f"{pf.path}: profile '{profile.name}': its evidence fails on its own recorded output "
+                           f"({own.source}): {errors[0]}")
+    return problems + failing
 
 
 @app.command("check")

@@ -62,7 +62,9 @@ class Profile:
              "env": dict(self.env), "kernel": None, "scheduler": None, "prefetch": None,
              "evidence": {"log_must": list(self.evidence.log_must),
                           "log_must_not": list(self.evidence.log_must_not),
-                          "endpoints": [c.label for c in self.evidence.endpoints]}}
+                          "endpoints": [c.label for c in self.evidence.endpoints],
+                          "shared": sorted(self.evidence.log_shared) + [c.label for c in self.evidence.endpoints
+                                                                        if c.shared]}}
         if self.approximate:
             d["approximate"] = True
         return d
