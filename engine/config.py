@@ -131,6 +131,7 @@ def parse_model_config(path: Path) -> ModelConfig:
 KERNELS = ("naive", "fused")
 SCHEDULERS = ("static", "continuous")
 PREFETCHERS = ("off", "lookahead")
+DECODE_PATHS = ("auto", "native", "chained", "eager")  # engine/decode_path.py CHOICES
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,9 @@ class RuntimeConfig:
     admission: str = "affinity"
     expert_budget: float | str = 1.0
     offload_tier: str = "host"
+    # native | chained | eager | auto: how a decode step runs its ops (engine/decode_path.py), an
+    # axis of its own that no switch above changes
+    decode_path: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -156,9 +160,14 @@ class RuntimeConfig:
             ("kernel", self.kernel, KERNELS),
             ("scheduler", self.scheduler, SCHEDULERS),
             ("prefetch", self.prefetch, PREFETCHERS),
+            ("decode path", self.decode_path, DECODE_PATHS),
         ):
             if value not in allowed:
                 raise MoebenchError(f"unknown {name} '{value}' (choose from: {', '.join(allowed)})")
+        if self.decode_path == "native" and (self.kernel != "fused" or self.prefetch != "off"):
+            # the MoE op inside the one C++ call is the fused kernel, and no prefetch hook runs in it
+            raise MoebenchError(f"decode path 'native' cannot run with kernel={self.kernel}, prefetch={self.prefetch}: "
+                                "it needs kernel=fused and prefetch=off (use --decode-path chained)")
         if self.device not in ("cpu", "cuda"):
             raise MoebenchError(f"unknown device '{self.device}' (choose cpu or cuda)")
         if self.batch_size < 1:

@@ -730,25 +730,39 @@ def resolve_tier(name: str, device: str) -> str:
     return name
 
 
+def expert_store_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
+    """The dtype the store holds experts in, whichever the kernel. A bfloat16 checkpoint's experts stay
+    bfloat16 for float32 compute on the CPU where the C++ kernels build: the fused kernel widens
+    them in registers and the naive loop each expert it uses (kernels/reference.moe_reference), both
+    exact (a float32 copy holds the very same values), so results are those of float32 weights while
+    half the bytes are held and streamed. Without the C++ kernel, the fused torch fallback would
+    compute in bfloat16: every kernel gets the compute dtype then."""
+    from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
+
+    widen = device == "cpu" and compute == torch.float32 and stored == torch.bfloat16
+    return stored if widen and cpu_backend() == BACKEND_CPP else compute
+
+
+def store_layout(ckpt, runtime) -> tuple[torch.dtype, int]:
+    """(dtype, slots per MoE layer) of the store for this runtime. One dtype for every kernel (the
+    kernel switch changes the MoE op only): the same rows, bytes and slots under a budget, which
+    counts bytes in that dtype."""
+    dtype = expert_store_dtype(expert_file_dtype(ckpt), runtime.torch_dtype, runtime.device)
+    return dtype, slots_for_budget(ckpt.config, runtime, dtype)
+
+
 def make_store_and_prefetcher(ckpt, runtime):
     """Build the expert store for the configured budget and tier, and the prefetch strategy.
 
     prefetch=off and prefetch=lookahead get the same store: the same slots, loader threads, readers
     and pinning, so that the switch changes only when loads happen (ahead, or on demand)."""
-    from moebench.engine.moe import KERNEL_CLASSES
-
     cfg = ckpt.config
     tier_name = resolve_tier(runtime.offload_tier, runtime.device)
     substituted = None
     if tier_name == "disk" and getattr(ckpt, "quantized", None):
         # a negative control's quantized experts exist only in memory: no file holds them
         tier_name, substituted = "host", f"disk -> host: the {ckpt.quantized} experts exist only in memory"
-    # The kernel says which dtype it wants its weights in (the fused CPU kernel streams bfloat16
-    # checkpoints as they are, see FusedMoe.expert_dtype); the pool holds them so. The budget counts
-    # slots in the compute dtype for every kernel, so both kernels get the same number of slots.
-    dtype = KERNEL_CLASSES[runtime.kernel].expert_dtype(expert_file_dtype(ckpt), runtime.torch_dtype,
-                                                        runtime.device)
-    slots = slots_for_budget(cfg, runtime)
+    dtype, slots = store_layout(ckpt, runtime)
     if slots >= cfg.num_experts:
         store = ResidentStore(ckpt, runtime.expert_budget, dtype)
     else:

@@ -23,10 +23,15 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
     from moebench.engine.kv_cache import BlockManager, KVCache
     from moebench.engine.model import MoeTransformer
 
+    from moebench.engine import decode_path
+
     block_manager = BlockManager(num_kv_blocks, runtime.kv_block_size)
     kv = KVCache(cfg.num_layers, num_kv_blocks, runtime.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                  runtime.torch_dtype, runtime.device)
-    return block_manager, kv, MoeTransformer(ckpt, None)
+    model = MoeTransformer(ckpt, None)
+    # the one place a session's decode path is decided (engine/decode_path.py)
+    model.decode_path = decode_path.decide(runtime.decode_path, model, runtime)
+    return block_manager, kv, model
 
 
 def non_expert_bytes_per_step(ckpt, element_size: int) -> int:

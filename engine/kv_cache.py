@@ -42,9 +42,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_blocks)
-
     def missing_blocks(self, block_table: list[int], num_tokens: int) -> int:
         """Blocks `block_table` lacks to hold `num_tokens` tokens (0 when it already does)."""
         return max(0, self.blocks_needed(num_tokens) - len(block_table))
@@ -109,7 +106,3 @@ class KVCache:
         k = torch.index_select(pool_k.view(-1, row), 0, flat, out=self._gathered[0][:n]).view(shape)
         v = torch.index_select(pool_v.view(-1, row), 0, flat, out=self._gathered[1][:n]).view(shape)
         return k, v
-
-    @staticmethod
-    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

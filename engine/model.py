@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from moebench.engine import decode_path
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
 from moebench.kernels import cpu_dense
@@ -20,6 +21,7 @@ from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.cpu_dense import linear
 from moebench.kernels.reference import route_softmax_topk
+from moebench.errors import MoebenchError
 
 
 @dataclass
@@ -183,9 +185,6 @@ class MoeTransformer:
         # decode attention calls (one per layer and decode step) by the implementation that ran them:
         # the activation evidence of the C++ decode attention (see decode_attention_errors)
         self.attention_backends: dict[str, int] = {}
-        # a decode step's projections, attention and fused MoE all run on the extension's thread pool,
-        # so the engine gives the pool the threads and torch one (kernels/cpu_dense.decode_threads)
-        self.decode_on_pool = self.ops is not None
         # a decode step's attention sub-layer and router each run as one native call where the ops
         # they chain apply (MOEBENCH_DECODE_CHAINS=0 calls them one by one, for A/B measurements)
         # (the weights a chain streams are checked here, once: they do not change)
@@ -196,9 +195,17 @@ class MoeTransformer:
         self._native_layers = None  # DecodeLayers, False where it does not apply, None until the first decode step
         # the native call ends with the LM head where the kernel streams it (its logits are returned)
         self._native_lm_head = cpu_dense.weight_streams(ckpt.lm_head)
-        self.decode_chains = (self.ops is not None and hasattr(self.ops, "route_decode")
-                              and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
-                              and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
+        self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode")
+                                 and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
+                                 and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
+        # the decode path (native step, chained ops, eager), decided once per session by
+        # engine/decode_path.py; a session sets its runtime's (engine/families.py), this is auto's
+        self.decode_path = decode_path.decide(None, self)
+
+    @property
+    def decode_chains(self) -> bool:
+        """Whether a decode step's attention sub-layer and router run as one native call each."""
+        return self.chains_available and self.decode_path.chains
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
@@ -276,9 +283,15 @@ class MoeTransformer:
         call), where it computes what the layer loop of `forward` computes: decode chains on, every
         layer an MoE layer, and an MoE block with nothing to do between layers
         (MoeBlock.resident_experts). Built on the first decode step (the MoE block is set after the
-        model); None where it does not apply."""
+        model), on the `native` decode path only (engine/decode_path.py); None on the others."""
         if self._native_layers is None:
-            self._native_layers = self._build_native_layers() or False
+            if not self.decode_path.whole_step:
+                self._native_layers = False
+            else:
+                self._native_layers = self._build_native_layers() or False
+                if not self._native_layers:  # decode_path.decide checked the runtime: never quietly chained
+                    raise MoebenchError("decode path 'native' cannot run: the experts are not all resident "
+                                        "float32 or bfloat16 rows of one dtype for the fused C++ kernel")
         return self._native_layers or None
 
     def _build_native_layers(self):

@@ -37,11 +37,6 @@ class MoeKernel:
     def compute(self, x, topk_weights, topk_ids, w13, w2) -> torch.Tensor:
         raise NotImplementedError
 
-    @staticmethod
-    def expert_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
-        """The dtype the expert store should hand this kernel its weights in."""
-        return compute
-
     def evidence(self) -> dict:
         return {f"{self.name}_calls": self.calls}
 
@@ -79,21 +74,6 @@ class FusedMoe(MoeKernel):
 
         self.calls += calls
         self.backends[BACKEND_CPP] = self.backends.get(BACKEND_CPP, 0) + calls
-
-    @staticmethod
-    def expert_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -> torch.dtype:
-        """bfloat16 experts stay bfloat16 for the C++ CPU kernel: it widens them to float32 in
-        registers, which is exact (the float32 copy holds the very same values), so the results are
-        bit-identical to the same kernel on float32 weights (test_bfloat16_weights_widen_exactly)
-        while half the bytes are streamed, and decode is bound by streaming them. This is part of what
-        kernel=fused is: the evidence names the store's dtype, and an expert budget counts slots in
-        the checkpoint's dtype for every kernel (see make_store_and_prefetcher). The torch fallback
-        would compute in bfloat16 instead: it gets float32."""
-        from moebench.kernels import cpu_backend
-        from moebench.kernels.cpu_moe import BACKEND_CPP
-
-        widen_in_kernel = device == "cpu" and compute == torch.float32 and stored == torch.bfloat16
-        return stored if widen_in_kernel and cpu_backend() == BACKEND_CPP else compute
 
     def evidence(self) -> dict:
         return {**super().evidence(), "backends": dict(self.backends),

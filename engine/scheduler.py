@@ -122,9 +122,6 @@ class ContinuousScheduler(Scheduler):
         self._arrivals += 1
         super().add(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(not s.finished for s in self.running)
-
     def finish(self, seq: Sequence) -> None:
         super().finish(seq)
         self._finished_since = True
@@ -287,14 +284,11 @@ def max_resident(runtime) -> int:
 
 def make_scheduler(runtime, block_manager: BlockManager) -> Scheduler:
     from moebench.engine.admission import make_admission
-    from moebench.errors import MoebenchError
 
-    if runtime.scheduler == "static":
+    if runtime.scheduler == "static":  # RuntimeConfig admits static and continuous only
         return StaticScheduler(runtime.batch_size, block_manager, runtime.max_tokens_per_step)
-    if runtime.scheduler == "continuous":
-        return ContinuousScheduler(runtime.batch_size, block_manager, runtime.max_tokens_per_step,
-                                   make_admission(runtime.admission, runtime.batch_size))
-    raise MoebenchError(f"scheduler={runtime.scheduler} is not implemented yet")
+    return ContinuousScheduler(runtime.batch_size, block_manager, runtime.max_tokens_per_step,
+                               make_admission(runtime.admission, runtime.batch_size))
 
 
 def scheduler_not_exercised(scheduler: str, evidence: dict, num_requests: int, batch_size: int) -> list[str]:

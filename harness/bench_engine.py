@@ -62,8 +62,8 @@ class BundledSide:
 
     name = "moebench"
 
-    def __init__(self, ckpt, kernel: str, scheduler: str):
-        self.ckpt, self.kernel, self.scheduler = ckpt, kernel, scheduler
+    def __init__(self, ckpt, kernel: str, scheduler: str, decode_path: str = "native"):
+        self.ckpt, self.kernel, self.scheduler, self.decode_path = ckpt, kernel, scheduler, decode_path
         self.last_steps: list[dict] = []
         self.last_evidence: dict = {}
 
@@ -74,6 +74,7 @@ class BundledSide:
 
         torch.set_num_threads(threads)
         engine = Engine(self.ckpt, None, RuntimeConfig(kernel=self.kernel, scheduler=self.scheduler,
+                                                       decode_path=self.decode_path,
                                                        batch_size=len(prompts), max_new_tokens=new_tokens))
         reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
         start = time.perf_counter()
@@ -275,6 +276,7 @@ def bench_engine_command(
     layers: Optional[int] = typer.Option(None, "--layers", help="Override the random model's layer count (smaller = faster)."),
     kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
     scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
+    decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
     hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
     hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the figures, settings and machine as JSON here (a manifest of the benchmark)."),
@@ -334,7 +336,7 @@ def bench_engine_command(
             other = LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)
         else:
             other = hf
-        bundled = BundledSide(ckpt, kernel, scheduler)
+        bundled = BundledSide(ckpt, kernel, scheduler, decode_path)
 
         rows = []
         try:
@@ -405,7 +407,7 @@ def bench_engine_command(
                 "schema": MANIFEST_SCHEMA, "git_commit": commit, "versions": package_versions(),
                 "vs": vs, "model": str(model) if model else "random qwen3_moe",
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
-                "kernel": kernel, "scheduler": scheduler, "batches": batches, "threads": thread_counts,
+                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
                 "machine": describe_machine(measure_bandwidth=False),
                 "runtime_evidence": bundled.last_evidence,

@@ -156,12 +156,6 @@ class ReadBandwidth:
         return best
 
 
-def measure_read_bandwidth(device, megabytes: int = 256, repeats: int = 7) -> float:
-    """Median GB/s of `repeats` samples of ReadBandwidth over a `megabytes` float32 tensor."""
-    bw = ReadBandwidth(device, megabytes)
-    return statistics.median(bw.sample() for _ in range(repeats))
-
-
 def _route(shape: LayerShape, n: int, experts: int, device, gen):
     import torch
 

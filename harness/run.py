@@ -123,6 +123,7 @@ def run_command(
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Fraction of routed-expert weights kept resident (e.g. 0.5) or a size (8GB). Default 1.0."),
     offload_tier: str = typer.Option("auto", "--offload-tier", help="Where non-resident experts live: auto (disk on a CPU, pinned host memory on CUDA), disk, or host (on a CPU a synthetic RAM-to-RAM setting)."),
     admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
+    decode_path: str = typer.Option("auto", "--decode-path", help="How decode steps run, for every config alike: chained (the C++ step ops layer by layer, on the step's thread pool), native (every layer in one C++ call; needs kernel=fused, every expert resident, prefetch off), eager (each op from Python, torch's threads), auto (chained where the C++ ops run, else eager)."),
     device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (measured here: with 2 threads on a busy 2-core machine, OpenMP hand-offs made small ops 30-60x slower and faked large speedups); 0 = torch's own choice."),
     seed: int = typer.Option(0, "--seed", help="Run seed: with --temperature > 0 each request samples from its own stream, seeded from (this seed, trial, item id)."),
@@ -155,7 +156,7 @@ def run_command(
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
             factorial=factorial, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
-            offload_tier=offload_tier, admission=admission, device=device, seed=seed,
+            offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,
             engine=engine, base_url=base_url, profiles=str(profiles) if profiles else None, profile=profile or None,
             served_model=served_model, tokenizer=str(tokenizer_dir) if tokenizer_dir else None, chat=chat,
@@ -185,6 +186,7 @@ def run_command(
             device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
             admission=args["admission"], expert_budget=_parse_budget(budget),
             offload_tier=resolve_tier(args["offload_tier"], args["device"]),
+            decode_path=args.get("decode_path", "auto"),  # (a manifest from before the option: auto)
         )
         for cfg in configs:
             _runtime_for(base_runtime, cfg)
@@ -452,11 +454,12 @@ def _load_model(path: Path, runtime):
 
         if not torch.cuda.is_available():
             raise MoebenchError("--device cuda: no CUDA device is available")
-    # below a full budget the experts stay in the file's dtype; the store upcasts only those it holds;
-    # with the disk tier they stay in the files (no copy in memory)
+    # below a full budget, or on the CPU, the experts stay in the file's dtype: the store holds them so
+    # where the kernels widen them (expert_store.expert_store_dtype), else converts only those it
+    # holds; with the disk tier they stay in the files (no copy in memory)
     offloading = runtime.expert_budget not in (1, 1.0)
     ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype,
-                           experts_in_checkpoint_dtype=offloading,
+                           experts_in_checkpoint_dtype=offloading or runtime.device == "cpu",
                            load_experts=not (offloading and runtime.offload_tier == "disk"))
     return ckpt, load_tokenizer(path)
 
@@ -483,7 +486,7 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
         # how the disk tier bypasses the page cache (O_DIRECT, or fadvise-evict where refused)
         "disk_read_mode": disk_read_mode(ckpt) if runtime.offload_tier == "disk" else None,
-        "admission": runtime.admission, "kv_block_size": runtime.kv_block_size,
+        "admission": runtime.admission, "kv_block_size": runtime.kv_block_size, "decode_path": runtime.decode_path,
         # evidence that weights and KV cache landed in huge pages (engine/memory.py)
         "huge_page_bytes": huge_page_bytes(),
         # which implementations run (a compiled kernel, or the torch fallback)

@@ -106,9 +106,9 @@ def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
             continue
         tokens = token_of[start : start + count]
         xs = x[tokens]
-        w = w13[expert]
+        w = w13[expert].to(x.dtype)  # bfloat16 rows widen exactly (the store's dtype, expert_store_dtype)
         h = F.silu(xs @ w[:inter].T) * (xs @ w[inter:].T)
-        pairs[order[start : start + count]] = (h @ w2[expert].T) * weight_of[start : start + count, None]
+        pairs[order[start : start + count]] = (h @ w2[expert].to(x.dtype).T) * weight_of[start : start + count, None]
         start += count
     pairs = pairs.view(n, k, -1)
     out = pairs[:, 0].clone()

@@ -40,8 +40,8 @@ def resident(ckpt):
     return [c.output_ids for c in generate(ckpt).completions]
 
 
-@pytest.mark.parametrize("budget", [0.5, 0.75])
-@pytest.mark.parametrize("tier", ["host", "disk"])
+# the disk tier's page-aligned read buffers take rows of the budget: more of the small bfloat16 rows
+@pytest.mark.parametrize("tier,budget", [("host", 0.5), ("host", 0.75), ("disk", 0.75), ("disk", 0.875)])
 @pytest.mark.parametrize("prefetch", ["off", "lookahead"])
 def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, prefetch):
     result = generate(ckpt, expert_budget=budget, offload_tier=tier, prefetch=prefetch)
@@ -51,7 +51,7 @@ def test_offloaded_outputs_identical_to_resident(ckpt, resident, budget, tier, p
     assert ev["store"] in ("pooled", "pooled-native") and ev["slots_per_layer"] == int(budget * E)
     assert ev["expert_misses"] > 0  # the budget really bit
     # the budget is all the store holds: its rows, less the rows the read buffers take; no staging beside
-    row_bytes = ckpt.config.expert_param_count * 4
+    row_bytes = ckpt.config.expert_param_count * getattr(torch, ev["expert_dtype"]).itemsize
     assert ev["rows"] == int(budget * E) * LAYERS - -(-ev["read_buffer_bytes"] // row_bytes)
     assert ev["expert_pool_bytes"] == ev["rows"] * row_bytes
     if tier == "host":  # the host tier's copy of every expert (the loaded checkpoint's, float32 here) counts
@@ -265,38 +265,40 @@ def test_experts_kept_in_checkpoint_dtype_run_exactly(ckpt, resident):
     raw = load_checkpoint(ckpt.path, experts_in_checkpoint_dtype=True)
     assert raw.layers[0].w13.dtype == torch.bfloat16 and raw.layers[0].router.dtype == torch.float32
     assert torch.equal(raw.layers[0].w13.float(), ckpt.layers[0].w13)
-    for tier in ("host", "disk"):
-        result = generate(raw, expert_budget=0.5, offload_tier=tier, prefetch="lookahead")
+    for tier, budget in (("host", 0.5), ("disk", 0.75)):  # (read buffers take rows: see above)
+        result = generate(raw, expert_budget=budget, offload_tier=tier, prefetch="lookahead")
         assert [c.output_ids for c in result.completions] == resident
-    # fully resident: the store converts them once for a kernel that wants float32 weights
+    # fully resident: the store holds them as the loader kept them
     assert [c.output_ids for c in generate(raw, expert_budget=1.0).completions] == resident
 
 
-def test_fused_kernel_gets_bfloat16_experts_and_the_same_outputs(ckpt, monkeypatch):
-    """The fused CPU kernel streams a bfloat16 checkpoint's experts as stored (widened exactly in
-    registers): resident or pooled, its outputs equal those it gives on float32 weights."""
-    from moebench.engine.moe import FusedMoe
+def test_both_kernels_get_bfloat16_experts_and_the_same_outputs(ckpt, monkeypatch):
+    """Both kernels get a bfloat16 checkpoint's experts as stored (the fused C++ kernel widens them in
+    registers, the naive loop per expert, both exactly): resident or pooled, every output equals the
+    one float32 experts give."""
+    import moebench.engine.expert_store as expert_store
     from moebench.kernels import cpu_backend
     from moebench.kernels.cpu_moe import BACKEND_CPP
 
     if cpu_backend() != BACKEND_CPP:
         pytest.skip("needs the C++ extension")
     runs = {}
-    for budget in (1.0, 0.5):
-        result = generate(ckpt, kernel="fused", expert_budget=budget)
-        assert result.evidence["prefetch"]["expert_dtype"] == "bfloat16"
-        runs[budget] = [c.output_ids for c in result.completions]
-    monkeypatch.setattr(FusedMoe, "expert_dtype", staticmethod(lambda stored, compute, device: compute))
-    as_float = generate(ckpt, kernel="fused")
+    for kernel in ("naive", "fused"):
+        for budget in (1.0, 0.5):
+            result = generate(ckpt, kernel=kernel, expert_budget=budget)
+            assert result.evidence["prefetch"]["expert_dtype"] == "bfloat16"
+            runs[kernel, budget] = [c.output_ids for c in result.completions]
+    monkeypatch.setattr(expert_store, "expert_store_dtype", lambda stored, compute, device: compute)
+    as_float = generate(ckpt, kernel="naive")
     assert as_float.evidence["prefetch"]["expert_dtype"] == "float32"
-    assert runs[1.0] == runs[0.5] == [c.output_ids for c in as_float.completions]
+    assert all(out == [c.output_ids for c in as_float.completions] for out in runs.values())
 
 
 def test_disk_tier_on_a_sharded_checkpoint(ckpt, tmp_path, resident):
     """Gate and down projections in one shard, up projections in another: each tensor lands in its
     own part of the slot, whatever file holds it."""
     sharded = sharded_copy(ckpt, tmp_path)
-    result = generate(sharded, expert_budget=0.5, offload_tier="disk", prefetch="lookahead")
+    result = generate(sharded, expert_budget=0.75, offload_tier="disk", prefetch="lookahead")
     assert [c.output_ids for c in result.completions] == resident
 
 

@@ -203,7 +203,7 @@ def generate(ckpt, **runtime):
 def test_native_store_outputs_identical_to_resident(ckpt, tier, prefetch, kernel):
     resident = [c.output_ids for c in generate(ckpt, kernel=kernel).completions]
     # tight: 6 of 16 rows per layer (8 on disk, whose read buffers take rows), so prefills borrow
-    result = generate(ckpt, expert_budget=0.4 if tier == "host" else 0.5, offload_tier=tier, prefetch=prefetch,
+    result = generate(ckpt, expert_budget=0.4 if tier == "host" else 0.75, offload_tier=tier, prefetch=prefetch,
                       kernel=kernel)
     assert [c.output_ids for c in result.completions] == resident
     assert result.activation_errors == []
@@ -230,11 +230,11 @@ def test_store_choice(ckpt, monkeypatch, tmp_path):
     # a tier that cannot describe its loads natively: the Python store, loudly; an error where asked for
     sharded = sharded_copy(ckpt, tmp_path)
     with pytest.warns(RuntimeWarning, match="native expert store cannot run"):
-        store, _ = make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.5, offload_tier="disk"))
+        store, _ = make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.75, offload_tier="disk"))
     assert type(store) is PooledStore
     store.close()
     with pytest.raises(MoebenchError, match="'native' cannot run: the disk tier cannot describe"):
-        make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.5, offload_tier="disk",
+        make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.75, offload_tier="disk",
                                                          extra={"expert_store": "native"}))
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from moebench.engine import load_checkpoint
 from moebench.engine import model as model_mod
+from moebench.engine.decode_path import decide as decide_decode_path
 from moebench.engine.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.model import MoeTransformer, RotaryEmbedding, build_forward_batch, cpu_step_ops, rms_norm
@@ -164,6 +165,8 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
     model = MoeTransformer(ckpt, None)
     monkeypatch.undo()
     assert (model.ops is not None) == use_ops
+    if use_ops and chains and all(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers))):
+        model.decode_path = decide_decode_path("native", model)  # a decode step's layers in one call
     assert model.decode_chains == (use_ops and chains)
     if calls is not None:
         model.ops = _CallCounter(model.ops)
@@ -254,6 +257,7 @@ def test_decode_layers_checks_the_weights_when_built(tmp_path, ops, monkeypatch)
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, "qwen3_e6_k2_norm"))
     monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1")
     model = MoeTransformer(ckpt, None)
+    model.decode_path = decide_decode_path("native", model)
     cfg = ckpt.config
     model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(),
                                RoutingStats(cfg.num_layers, cfg.num_experts))

@@ -1,0 +1,130 @@
+"""Which path a decode step runs: decided here, once per session, and recorded in the evidence.
+
+The decode path is an axis of its own, the CPU counterpart of what CUDA graphs are to vLLM and
+SGLang (`--enforce-eager`, `--disable-cuda-graph`). It never depends on the MoE kernel, the
+scheduler or the prefetcher, so flipping any of those switches leaves it as it was:
+
+- `chained`: the extension's step ops (kernels/csrc/attention_cpu.cpp), a decode step's attention
+  sub-layer and router each one native call, layer by layer; the MoE op, whichever the `kernel`
+  switch chose, is called from Python between them. The step's parallel work runs on the
+  extension's thread pool and torch's own on one thread (kernels/cpu_dense.decode_threads), for
+  both kernels alike.
+- `native`: the same ops with every layer of a step, from the token ids to the logits, in one C++
+  call (DecodeLayers). The MoE op inside that call is the fused C++ kernel on resident experts, so
+  this path needs kernel=fused, every expert resident and prefetch=off; asked for anywhere else, it
+  is refused before the run starts, never quietly replaced.
+- `eager`: each op called on its own from Python, torch keeping its threads (no step thread pool).
+
+`auto` is `chained` where the extension's ops run (float32 on the CPU, the extension built), else
+`eager`: a quiet choice between those two changes no result, only where time goes, and the evidence
+says which ran and why.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from moebench.engine.config import DECODE_PATHS as CHOICES
+from moebench.errors import MoebenchError
+DEFAULT = "auto"
+
+
+class DecodePath:
+    """The path this session's decode steps run, and what they were observed to run on."""
+
+    def __init__(self, requested: str, name: str, why: str, chains: bool):
+        self.requested = requested
+        self.name = name  # native | chained | eager
+        self.why = why
+        # the attention sub-layer and router as one native call each (MOEBENCH_DECODE_CHAINS=0 calls
+        # their ops one by one inside the same path, an A/B knob of benchmarks/decode_breakdown.py)
+        self.chains = chains
+        # decode steps by the threads they ran on, "pool=P torch=T", as read inside the step
+        self.threads_seen: dict[str, int] = {}
+
+    @property
+    def pool(self) -> bool:
+        """Whether decode steps run their parallel work on the extension's thread pool."""
+        return self.name != "eager"
+
+    @property
+    def whole_step(self) -> bool:
+        return self.name == "native"
+
+    def observe_threads(self) -> None:
+        import torch
+
+        from moebench.kernels.cpu_moe import load_extension
+
+        ext = load_extension()
+        pool = ext.pool_threads() if ext is not None and hasattr(ext, "pool_threads") else 0
+        key = f"pool={pool} torch={torch.get_num_threads()}"
+        self.threads_seen[key] = self.threads_seen.get(key, 0) + 1
+
+    def evidence(self) -> dict:
+        return {"requested": self.requested, "path": self.name, "why": self.why, "chains": self.chains,
+                "step_pool": self.pool, "decode_threads": dict(self.threads_seen)}
+
+
+def decide(requested: str | None, model, runtime=None) -> DecodePath:
+    """The decode path of a session of `model` (an MoeTransformer) for `requested` (a CHOICES entry,
+    None for auto). `runtime`, where given, is checked against what `native` needs."""
+    requested = requested or DEFAULT
+    if requested not in CHOICES:
+        raise MoebenchError(f"unknown decode path '{requested}' (choose from: {', '.join(CHOICES)})")
+    chains = bool(getattr(model, "chains_available", False))
+    if model.ops is None:
+        why_not = ("the step ops run only on float32 CPU weights, with the C++ extension built "
+                   "(it did not build, or the model is not float32 on the CPU)")
+        if requested in ("native", "chained"):
+            raise MoebenchError(f"decode path '{requested}' cannot run: {why_not}")
+        return DecodePath(requested, "eager", "asked for" if requested == "eager" else why_not, False)
+    if requested == "eager":
+        return DecodePath(requested, "eager", "asked for", False)
+    if requested == "native":
+        problem = native_step_problem(model, runtime)
+        if problem:
+            raise MoebenchError(f"decode path 'native' cannot run: {problem} (use --decode-path chained)")
+        return DecodePath(requested, "native", "asked for", True)
+    return DecodePath(requested, "chained", "asked for" if requested == "chained" else
+                      "the extension's step ops run here (auto picks chained, never native)", chains)
+
+
+def native_step_problem(model, runtime) -> str | None:
+    """Why a decode step's layers cannot all run in one C++ call for this model and runtime, or None.
+    The experts' residency and dtype are checked again when the call is built (MoeBlock.resident_experts)."""
+    cfg = model.cfg
+    if not getattr(model, "chains_available", False):
+        return "the chained ops are off (MOEBENCH_DECODE_CHAINS=0, MOEBENCH_DECODE_ATTENTION=torch, "\
+               "MOEBENCH_DENSE_KERNEL=torch, or weights the dense kernel does not stream)"
+    if not hasattr(model.ops, "DecodeLayers"):
+        return "the extension has no DecodeLayers (an old build)"
+    if not all(map(cfg.is_moe_layer, range(cfg.num_layers))):
+        return "the model has dense layers, which the one call does not run"
+    if runtime is None:
+        return None
+    from moebench.engine.expert_store import store_layout
+    from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
+
+    if cpu_backend() != BACKEND_CPP:
+        return "the fused C++ MoE kernel did not build"
+    if store_layout(model.ckpt, runtime)[1] < cfg.num_experts:
+        return f"expert budget {runtime.expert_budget} leaves experts out of memory, and the one call loads none"
+    return None
+
+
+def uses_step_pool(model) -> bool:
+    path = getattr(model, "decode_path", None)
+    return path is not None and path.pool
+
+
+@contextmanager
+def step_threads(model, decode: bool):
+    """Around one step's forward: a decode step on a path with the step's thread pool gives the pool
+    torch's threads and torch one (kernels/cpu_dense.decode_threads); the threads are read inside."""
+    from moebench.kernels.cpu_dense import decode_threads
+
+    with decode_threads(decode and uses_step_pool(model)):
+        if decode and getattr(model, "decode_path", None) is not None:
+            model.decode_path.observe_threads()
+        yield
