@@ -96,7 +96,7 @@ class ContinuousScheduler(Scheduler):
         # `running`: every request with its KV in the cache (prefilled, not finished), arrival order.
         # Up to batch_size + lookahead of them; each decode step runs the batch_size the policy picks.
         self.admissions = 0  # waiting -> prefill, first time
-        self.admissions_mid_flight = 0  # first decode step inside a batch that was already decoding
+        self.admissions_mid_flight = 0  # first decode steps while other requests were mid-generation
         self.readmissions = 0  # prefill again after a preemption
         self.preemptions = 0
         self.prefill_steps = 0
@@ -242,11 +242,15 @@ class ContinuousScheduler(Scheduler):
                 if any(s is victim for s in batch[:i]):
                     i -= 1  # it had grown already; the one after it moves into its place
                 batch = [s for s in batch if s is not victim]
-        before = len(self._decoded)
-        self._decoded.update(map(id, batch))
-        joining = len(self._decoded) - before  # first decode step of these
-        if 0 < joining < len(batch):
+        decoded = self._decoded
+        joining = sum(1 for s in batch if id(s) not in decoded)  # first decode step of these
+        # Mid-flight: they start while requests that have decoded are still unfinished, in this batch
+        # or set aside by the admission policy (affinity can rotate a whole batch of prefilled
+        # requests in at once). A static batch never starts a request before the last one ends. A
+        # batch of one that rotates requests slices time; it batches nothing, so it is not counted.
+        if joining and self.batch_size > 1 and any(id(s) in decoded for s in self.running):
             self.admissions_mid_flight += joining
+        decoded.update(map(id, batch))
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
