@@ -237,6 +237,32 @@ def _mcnemar_table(summary: dict) -> Table:
                   "both wrong", "McNemar exact p", "Δ points [95% CI]"], rows)
 
 
+def _verdict_blocks(summary: dict) -> list:
+    """Every config's accuracy verdict: the difference over all trials, clustered by item, with the
+    interval, the drop the run could have detected and the verdict at the margin."""
+    rows, methods = [], []
+    for c in summary["configs"]:
+        vb = c.get("vs_baseline") or {}
+        diff, v = vb.get("accuracy_difference") or {}, vb.get("accuracy_verdict") or {}
+        if not vb or not diff.get("pairs"):
+            continue
+        if diff.get("method") not in methods:
+            methods.append(diff["method"])
+        d = diff.get("discordant") or {}
+        rows.append([c["name"] + (" (approximate)" if c.get("approximate") else ""),
+                     f"{diff['items']} x {diff['trials']}",
+                     f"{d.get('baseline_only', '')} / {d.get('config_only', '')}",
+                     _f(diff.get("points"), "{:+.2f}") + _ci(diff.get("ci95"), "{:+.2f}"),
+                     _f(diff.get("design_effect"), "{:.2f}"), _f(v.get("detectable_drop"), "{:.1f}"),
+                     _f(v.get("margin"), "{:g}"), v.get("verdict") or "n/a"])
+    if not rows:
+        return []
+    return [Table(["config", "items x trials", "baseline only / config only", "Δ points [95% CI]",
+                   "design effect", "detectable drop (80% power)", "margin", "verdict"], rows),
+            Para("Method: " + "; ".join(methods) + ". A pair is one item in one trial, answered by both configs (under "
+                 "sampling from the same seed); items, not trials, are the independent unit (docs/statistics.md).")]
+
+
 def _engine_tables(summary: dict) -> list[Table]:
     batching, store = [], []
     for c in summary["configs"]:
@@ -340,92 +366,6 @@ def _activation_blocks(summary: dict) -> list:
     return blocks
 
 
-def _speed_words(opt: dict, sp: dict) -> list[str]:
-    ci, name, trials = sp.get("ci95"), opt["name"], opt["trials"]
-    if sp.get("median") is None:
-        return ["This run has no decode timing, so it says nothing about speed."]
-    if ci is None:
-        return [f"The measured speedup of {name} over the baseline is {sp['median']:.2f}x, but with "
-                f"{trials} trial{'s' if trials != 1 else ''} there is no confidence interval, so the speed "
-                "difference is not established."]
-    interval = f"95% CI {ci[0]:.2f}-{ci[1]:.2f}x"
-    if ci[0] > 1:
-        words = [f"{name} decodes faster than the baseline: {sp['median']:.2f}x ({interval}), an interval "
-                 "that lies entirely above 1.00x (no change)."]
-    elif ci[1] < 1:
-        words = [f"{name} decodes slower than the baseline: {sp['median']:.2f}x ({interval}), an interval "
-                 "that lies entirely below 1.00x (no change)."]
-    else:
-        words = [f"A speed difference is not established: {sp['median']:.2f}x, and its {interval} "
-                 "includes 1.00x (no change)."]
-    if trials < 3:
-        words.append(f"With only {trials} trials the interval is wide and uncertain itself; more trials "
-                     "(--repeats) narrow it.")
-    return words
-
-
-def _accuracy_words(opt: dict, vb: dict) -> list[str]:
-    p, n = vb.get("mcnemar_p"), vb.get("paired_items") or 0
-    if p is None or not n:
-        return []
-    d = vb.get("discordant") or {}
-    only_base, only_cfg = d.get("baseline_only", 0), d.get("config_only", 0)
-    dci = vb.get("accuracy_delta_ci95")
-    words = []
-    if only_base == 0 and only_cfg == 0:
-        words.append(f"All {n} paired items were scored the same as the baseline (no item right for one and "
-                     f"wrong for the other; McNemar exact p = {format_p(p)}), so accuracy on these items "
-                     "did not change.")
-    elif p >= 0.05:
-        span = (f"the 95% interval of the difference, {dci[0]:+.2f} to {dci[1]:+.2f} points, leaves room "
-                "for a change of that size" if dci else "no interval of the difference is available")
-        words.append(f"No accuracy change was detected on {n} paired items ({only_base} right only for the "
-                     f"baseline, {only_cfg} only for {opt['name']}; McNemar exact p = {format_p(p)}). That "
-                     f"is not proof of equal accuracy: {span}.")
-    else:
-        delta = vb.get("accuracy_delta")
-        direction = "lower" if (delta or 0) < 0 else "higher"
-        span = f", 95% CI {dci[0]:+.2f} to {dci[1]:+.2f}" if dci else ""
-        words.append(f"Accuracy changed: {opt['name']} scores {abs(delta or 0):.2f} points {direction}{span} "
-                     f"({only_base} right only for the baseline, {only_cfg} only for {opt['name']}; McNemar "
-                     f"exact p = {format_p(p)}). This configuration alters answers.")
-    same = vb.get("identical_outputs")
-    if same == 1:
-        words.append("Every output matched the baseline's character for character: no answer changed on "
-                     "these items.")
-    elif same is not None:
-        differ = vb.get("differing_outputs")
-        words.append(f"{differ} of {n} outputs differ from the baseline's text ({1 - same:.1%}); the examples "
-                     "below show where they diverge.")
-    return words
-
-
-def _plain_words(summary: dict, opt: dict) -> str:
-    """What the run proves and what it does not, for the headline config."""
-    vb = opt.get("vs_baseline") or {}
-    parts = _speed_words(opt, vb.get("speedup") or {})
-    parts.append("Absolute tokens/s depend on this machine and its load; the ratio from interleaved "
-                 "trials is the measured effect.")
-    parts += _accuracy_words(opt, vb)
-    inactive = [c["name"] for c in summary["configs"] if c["activation"].get("ok") is False]
-    unknown = [c["name"] for c in summary["configs"] if c["activation"].get("ok") is None]
-    if inactive:
-        parts.append(f"Not valid for {', '.join(inactive)}: a switched-on optimization left no evidence "
-                     "that it ran, so those numbers do not measure it.")
-    elif unknown:
-        parts.append(f"Activation is unrecorded for {', '.join(unknown)} (no trials.jsonl), so it is not "
-                     "shown that each optimization ran.")
-    else:
-        idle = [c["name"] for c in summary["configs"] if c["activation"].get("not_exercised")]
-        if idle:
-            parts.append(f"Not exercised in {', '.join(idle)}: this workload gave a switched-on optimization no "
-                         "chance to show evidence (for example no more requests than the batch size), so those "
-                         "numbers do not measure it; every other switch showed evidence that it ran.")
-        else:
-            parts.append("Every configuration showed evidence that its optimizations ran.")
-    return " ".join(parts)
-
-
 def _examples(summary: dict, outputs: dict[tuple[str, str], str]) -> list:
     blocks = []
     shown = 0
@@ -449,6 +389,7 @@ def _examples(summary: dict, outputs: dict[tuple[str, str], str]) -> list:
 
 
 def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Doc:
+    from moebench.report_words import plain_words
     from moebench.summary import config_entry, verdict
 
     base = config_entry(summary, summary["baseline"])
@@ -467,11 +408,11 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
         doc.add(Para("Only the baseline ran: there is nothing to compare."))
     else:
         doc.add(Para(verdict(summary), strong=True), _headline(summary, base, opt),
-                Heading("What this run proves", 3), Para(_plain_words(summary, opt)))
+                Heading("What this run proves", 3), Para(plain_words(summary, opt)))
     doc.add(Heading("All configurations"), *_per_config(summary))
     doc.add(Heading("Throughput: decode and whole run"), *_throughput_blocks(summary))
     if len(summary["configs"]) > 1:
-        doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary))
+        doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary), *_verdict_blocks(summary))
     doc.add(Heading("Batching, expert store and roofline"), *_engine_tables(summary))
     doc.add(*_memory_blocks(summary))
     doc.add(*_activation_blocks(summary))
@@ -566,8 +507,9 @@ def _run_id(run_dir: Path) -> str:
     return run_dir.resolve().name
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
-    """Write report.md, report.html and the plots; returns the report directory."""
+def write_report(run_dir: Path, out_dir: Path | None = None, margin: float | None = None) -> Path:
+    """Write report.md, report.html and the plots; returns the report directory. margin: judge the
+    accuracy verdicts at this many points instead of the summary's margin."""
     from moebench.errors import MoebenchError
 
     run_dir = Path(run_dir)
@@ -577,10 +519,14 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out_dir = ensure_writable_dir(out_dir if out_dir is not None else Path("reports") / _run_id(run_dir), "--out")
 
     from moebench import plots
-    from moebench.summary import load_run, load_summary
+    from moebench.summary import load_run, load_summary, with_margin
 
+    if margin is not None and not 0 < margin < 100:
+        raise MoebenchError(f"--margin {margin:g}: give accuracy points between 0 and 100")
     run = load_run(run_dir)
     summary = load_summary(run_dir)
+    if margin is not None:
+        summary = with_margin(summary, margin)
     images = plots.all_plots(summary, run.samples, run.steps, out_dir)
     doc = build_document(summary, run.samples, images)
     atomic_write_text(out_dir / "report.md", render_markdown(doc))
@@ -591,10 +537,11 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
 def report_command(
     run_dir: Path = typer.Argument(..., help="A results directory written by `moebench run`."),
     out: Path | None = typer.Option(None, "--out", help="Report directory (default: reports/<run-id>/)."),
+    margin: float | None = typer.Option(None, "--margin", help="Non-inferiority margin of the accuracy verdicts, in points (default: the summary's, 1.0 unless built otherwise)."),
 ) -> None:
     """Write a Markdown and a self-contained HTML report with plots for one run."""
     from rich.console import Console
 
-    out_dir = write_report(run_dir, out)
+    out_dir = write_report(run_dir, out, margin)
     n_png = len(list(out_dir.glob("*.png")))
     Console().print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.html'} and {n_png} plots")

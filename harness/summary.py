@@ -502,6 +502,21 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
     return _clean(summary)
 
 
+def with_margin(summary: dict, margin: float) -> dict:
+    """The summary with every accuracy verdict judged again at `margin` points (the intervals do
+    not depend on it) and the verdict sentences rewritten to match."""
+    import copy
+
+    out = copy.deepcopy(summary)
+    for entry in out["configs"]:
+        vb = entry.get("vs_baseline")
+        if vb and "accuracy_difference" in vb:
+            vb["accuracy_verdict"] = judge_accuracy(vb, float(margin), exact=not entry.get("approximate"))
+            vb["verdict"] = verdict(out, entry["name"])
+    out["verdict"] = verdict(out) if out.get("optimized") else None
+    return out
+
+
 def read_summary(path: Path) -> dict:
     """A summary.json file, checked to be of this schema; MoebenchError naming it if not."""
     path = Path(path)

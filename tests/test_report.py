@@ -62,6 +62,11 @@ def test_markdown_content(report_dir):
         assert f"| {row}" in md
     assert "**speedup 2.20x" in md
     assert "What this run proves" in md and "Examples of differing outputs" in md
+    # "all" changed one answer of 40 (an exact config, so no shortcut): too few items to judge
+    assert "inconclusive: too few items" in md
+    assert "points or more would have been detected with 80% power; none was" in md
+    assert "| config | items x trials | baseline only / config only | Δ points [95% CI] |" in md
+    assert "| kernel | 40 x 3 | 0 / 0 | +0.00 [-8.76, +8.76] |" in md  # identical outputs: interval still stated
     assert "all, item synth/1: first difference at character" in md
     assert "````" in md  # the fence outgrows the ``` inside the model output
     # Outside code fences the model text never appears raw.
@@ -76,3 +81,11 @@ def test_report_without_steps_or_trials(tmp_path):
     assert {"report.md", "report.html", "accuracy.png", "latency_cdf.png"} <= names
     assert "roofline.png" not in names and "decode_tps.png" not in names
     assert "speedup unknown" in (out / "report.md").read_text()
+
+
+def test_margin_rejudges_the_verdicts(tmp_path):
+    run = make_run(tmp_path, configs=("baseline", "all"), flips={"all": [1]})
+    wide = (write_report(run, tmp_path / "wide", margin=25) / "report.md").read_text()
+    assert "non-inferior at a 25-point margin" in wide
+    narrow = (write_report(run, tmp_path / "narrow") / "report.md").read_text()
+    assert "non-inferior" not in narrow and "inconclusive: too few items" in narrow

@@ -12,7 +12,8 @@ import pytest
 
 from fixtures.make_run import make_run
 from moebench import plots
-from moebench.report import _plain_words, write_report
+from moebench.report import write_report
+from moebench.report_words import plain_words as _plain_words
 from moebench.summary import build_summary, config_entry
 
 SIX = ("baseline", "kernel", "scheduler", "prefetch", "kernel+scheduler", "all")
