@@ -30,6 +30,8 @@ def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[
     from moebench.engines.discrimination import judge
     from moebench.engines.evidence import evaluate, must_items
     from moebench.engines.profiles import load_profiles
+    from glob import escape as glob_escape
+
     from moebench.engines.recorded import load_observation, recorded_folder
 
     pf = load_profiles(path)
@@ -62,6 +64,15 @@ def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[
         else:
             for item in must_items(profile.evidence):
                 echo(f"  required of the baseline: {item.label}")
+        for negative in sorted(folder.glob(f"{glob_escape(profile.name)}.*.log")):
+            label = negative.name[:-len(".log")]
+            refusals = [e for when in ("start", "end")
+                        for e in evaluate(profile.evidence, when, load_observation(folder, label))[1]]
+            echo(f"  refuses {negative.name} (output that must not prove it): "
+                 + (refusals[0] if refusals else "NO, its evidence accepts it"))
+            if not refusals:
+                problems.append(f"{pf.path}: profile '{profile.name}': its evidence accepts {negative}, "
+                                "output recorded as not proving it")
         if own is None:
             echo(f"  no recorded output of this configuration ({profile.name}.log): its own evidence is not checked")
             continue

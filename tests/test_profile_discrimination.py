@@ -47,6 +47,24 @@ def test_every_shipped_profile_passes_its_check(path):
     assert check_profile(path, echo=lines.append) == [], "\n".join(lines)
     # every configuration was recorded, so its evidence was also checked on its own output
     assert not any("no recorded output of this configuration" in line for line in lines)
+    negatives = sorted(pf.recorded_dir.glob("*.*.log"))
+    assert sum("refuses " in line for line in lines) == len(negatives)
+
+
+def test_profiles_check_fails_evidence_that_accepts_output_recorded_as_not_proving(tmp_path):
+    """The old vLLM pattern '(?i)graph captur' discriminates from the eager baseline, yet accepts
+    the output where capture was skipped: profiles check refuses it in one line."""
+    old = (REPO / "profiles" / "vllm-qwen3-moe-gpu.toml").read_text()
+    new = "'(?<!Encoder )Graph capturing finished in \\d+ secs',\n            { pattern = 'with config: .*enable_prefix"
+    assert new in old
+    path = tmp_path / "old-vllm.toml"
+    path.write_text(old.replace(new, "'(?i)graph captur',\n            { pattern = 'with config: .*enable_prefix")
+                    .replace("log_must_not = ['Traceback', 'Skipping encoder and decoder CUDA graph capture']\n",
+                             "log_must_not = ['Traceback']\n", 1)
+                    .replace('recorded = "../tests', f'recorded = "{REPO}/tests'))
+    result = _moebench("profiles", "check", path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"profile 'cuda-graphs': its evidence accepts {VLLM / 'cuda-graphs.capture-skipped.log'}" in result.stderr
 
 
 def test_the_old_fp8_lm_head_evidence_is_refused_in_one_line(tmp_path):

@@ -8,8 +8,9 @@ A folder holds, per configuration name:
                             are dropped
     <name>.endpoints.json   optional: {"start": {path: body}, "end": {path: body}}, a JSON body as
                             JSON, a Prometheus body as a string
-Other `<label>.log` files in the folder (`cuda-graphs.capture-skipped.log`, say) hold output that a
-configuration's evidence must not accept.
+`<config>.<what>.log` (with its optional `.endpoints.json`) holds output that must NOT prove that
+configuration (`cuda-graphs.capture-skipped.log`: eager off, yet no graph captured); `moebench
+profiles check` requires that the configuration's evidence refuses it.
 """
 
 from __future__ import annotations
