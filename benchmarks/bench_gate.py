@@ -1,6 +1,6 @@
 """Measured false-alarm rate and power of `moebench gate` on this machine.
 
-    python -m moebench.bench_gate --runs 20 --max-load 2.5 --out results/bench-gate.json
+    python benchmarks/bench_gate.py --runs 20 --max-load 2.5 --out results/bench-gate.json
 
 Defaults (measured to meet <= 1/20 false alarms and >= 19/20 detections here): regression
 rule with X = 0.05, 20 interleaved trials per config of one batch of 8 items, 48 new tokens,
@@ -192,7 +192,7 @@ def _manifest(run_dir: Path, ckpt, suite_obj, configs, runtime, repeats: int, ma
     return {
         "schema": "moebench.manifest/1",
         "run_id": run_dir.name,
-        "command": "moebench.bench_gate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": "benchmarks/bench_gate.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "args": {"bench_gate": True, "scenario": scenario, "inject_slowdown": slowdown, "warmup": 0,
                  "repeats": repeats},
@@ -423,7 +423,7 @@ def run_bench(runs: int = 20, scenarios: tuple[str, ...] = SCENARIOS, model: Pat
         out = {
             "schema": SCHEMA,
             "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "command": "python -m moebench.bench_gate " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "command": "python benchmarks/bench_gate.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "settings": {"runs": runs, "scenarios": list(scenarios), "model": model_desc,
                          "torch_threads": torch.get_num_threads(), "max_load": max_load,
                          "model_path": str(model_path) if model is not None or keep else None,
@@ -545,7 +545,7 @@ def main() -> None:
     try:
         app()
     except MoebenchError as e:
-        print(f"moebench.bench_gate: error: {e}", file=sys.stderr)
+        print(f"bench_gate: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

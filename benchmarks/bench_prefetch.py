@@ -1,6 +1,6 @@
 """How much of the expert-offload penalty prefetch=lookahead hides.
 
-    python -m moebench.bench_prefetch [--model DIR] [--budget 0.5] [--batch 1,16] [--repeats 3]
+    python benchmarks/bench_prefetch.py [--model DIR] [--budget 0.5] [--batch 1,16] [--repeats 3]
 
 Measures decode time per token, at each batch size and on the same prompts, for:
   resident              every expert in the fast pool (budget 1.0)            -> T_resident

@@ -1,8 +1,8 @@
 """Scheduler benchmark: static vs continuous batching (fifo and affinity admission), interleaved in
 one process so that a shared machine's drift hits every configuration alike.
 
-    python -m moebench.bench_scheduler make-model /tmp/rand-moe          # random qwen3_moe + BPE
-    python -m moebench.bench_scheduler bench --model /tmp/rand-moe --data ../shared/data/gsm8k \
+    python benchmarks/bench_scheduler.py make-model /tmp/rand-moe          # random qwen3_moe + BPE
+    python benchmarks/bench_scheduler.py bench --model /tmp/rand-moe --data ../shared/data/gsm8k \
         --limit 48 --batch-size 16 --repeats 2
 
 Random models do not stop by themselves, so every request gets its own `max_new_tokens`: the

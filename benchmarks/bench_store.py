@@ -9,7 +9,7 @@ ids on the default model: the random qwen3_moe bench_prefetch uses, 64 experts t
 Each call goes to the next MoE layer in turn, as a forward pass does. Reports ns per call and per
 id, the median of --repeats timed runs of --calls calls each, both stores interleaved.
 
-End-to-end decode tok/s with either store: `python -m moebench.bench_prefetch --store both`.
+End-to-end decode tok/s with either store: `python benchmarks/bench_prefetch.py --store both`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _time(store, layers: list[int], calls: list[torch.Tensor]) -> float:
 
 
 def main(argv=None) -> int:
-    from moebench.bench_prefetch import random_checkpoint
+    from bench_prefetch import random_checkpoint  # the sibling script (benchmarks/ is on sys.path when run)
     from moebench.engine import load_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

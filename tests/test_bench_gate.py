@@ -1,4 +1,4 @@
-"""Smoke test of the gate benchmark (harness/bench_gate.py): one tiny A/A run end to end, and
+"""Smoke test of the gate benchmark (benchmarks/bench_gate.py): one tiny A/A run end to end, and
 the injected slowdown reaching only the candidate's runtime. Speed is not judged here."""
 
 import json
@@ -6,8 +6,12 @@ import math
 
 import pytest
 
-from moebench.bench_gate import _candidate_extra, _configs, judge, results_table, run_bench, sweep_table
+from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
+
+bench_gate = load_benchmark("bench_gate")
+_candidate_extra, _configs, judge = bench_gate._candidate_extra, bench_gate._configs, bench_gate.judge
+results_table, run_bench, sweep_table = bench_gate.results_table, bench_gate.run_bench, bench_gate.sweep_table
 
 
 def test_slowdown_reaches_only_the_candidate():
@@ -29,7 +33,7 @@ def test_the_slowdown_wraps_the_candidates_prefetcher_not_the_engine(tmp_path):
     import inspect
 
     import moebench.engine.llm_engine as engine_mod
-    from moebench.bench_gate import SlowedPrefetcher
+    SlowedPrefetcher = bench_gate.SlowedPrefetcher
     from moebench.engine import RuntimeConfig, load_checkpoint
 
     assert "inject_slowdown" not in inspect.getsource(engine_mod)

@@ -2,7 +2,9 @@
 
 import math
 
-from moebench.bench_prefetch import _summarise
+from benchmark_scripts import load_benchmark
+
+_summarise = load_benchmark("bench_prefetch")._summarise
 
 
 def test_hidden_share_leaves_out_pairs_without_a_penalty():

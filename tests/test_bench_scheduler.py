@@ -5,7 +5,10 @@ its end, and calls has_work() between steps."""
 import threading
 import time
 
-from moebench.bench_scheduler import Lockstep, StepClock
+from benchmark_scripts import load_benchmark
+
+bench_scheduler = load_benchmark("bench_scheduler")
+Lockstep, StepClock = bench_scheduler.Lockstep, bench_scheduler.StepClock
 
 
 class FakeScheduler:

@@ -14,7 +14,7 @@ def test_the_disk_readers_default_is_quoted_as_it_is():
     quoted = {int(n) for n in re.findall(r"parallel readers \(default (\d+)\)", doc)}
     quoted |= {int(n) for n in re.findall(r'`runtime\.extra\["readers"\]`\s*\(default (\d+)\)', doc)}
     assert quoted == {DEFAULT_DISK_READERS}
-    bench = (ROOT / "harness" / "bench_prefetch.py").read_text()
+    bench = (ROOT / "benchmarks" / "bench_prefetch.py").read_text()
     assert re.search(rf'"--readers", type=int, default={DEFAULT_DISK_READERS}\b', bench)
 
 
