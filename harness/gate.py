@@ -309,10 +309,11 @@ def _checked_fields(summary: dict) -> dict:
                   "accuracy.total": (c.get("accuracy") or {}).get("total"),
                   "identical_outputs": vb.get("identical_outputs"), "mcnemar_p": vb.get("mcnemar_p"),
                   "accuracy_delta": vb.get("accuracy_delta")}
-        diff = vb.get("accuracy_difference") or {}
-        fields["accuracy_difference.points"] = diff.get("points")
-        for i, v in enumerate(diff.get("ci95") or [None, None]):
-            fields[f"accuracy_difference.ci95[{i}]"] = v
+        if "accuracy_difference" in vb:  # absent from summaries written before it existed
+            diff = vb["accuracy_difference"] or {}
+            fields["accuracy_difference.points"] = diff.get("points")
+            for i, v in enumerate(diff.get("ci95") or [None, None]):
+                fields[f"accuracy_difference.ci95[{i}]"] = v
         for metric, key in SPEEDUP_KEYS.items():
             sp = vb.get(key) or {}
             fields[f"{key}.median"] = sp.get("median")
@@ -353,7 +354,7 @@ def verified_summary(target: Path) -> tuple[dict, str]:
             diffs.append(f"config {name!r} {'only in summary.json' if b is None else 'missing from summary.json'}")
             continue
         diffs += [f"{name} {k}: {a[k]} in summary.json, {b[k]} from the raw files"
-                  for k in b if not _close(a.get(k), b[k])]
+                  for k in b if k in a and not _close(a[k], b[k])]
     if diffs:
         raise MoebenchError(f"{written}: disagrees with the raw samples and trials ({'; '.join(diffs[:3])}"
                             f"{f'; {len(diffs) - 3} more' if len(diffs) > 3 else ''}); rebuild it "

@@ -125,3 +125,19 @@ def test_the_verdicts():
     text = judge_accuracy(_vb(-0.2, -0.8, 0.4, drop=2.1), 1.0, exact=False)["statement"]
     assert "a drop of 2.1 points or more would have been detected with 80% power; none was" in text
     assert "none was" not in judge_accuracy(_vb(-3.0, -5.0, -1.0), 1.0, exact=False)["statement"]
+
+
+def test_coverage_by_simulation_at_a_run_size_used():
+    """The benchmark's simulation (docs/statistics.md has the full grid): 200 items, accuracy 0.9,
+    a true drop of 1 point. The score interval covers ~95%; treating greedy trials that repeat
+    the same answers as independent pairs (what the design effect prevents) covers far less."""
+    from benchmark_scripts import load_benchmark
+
+    sim = load_benchmark("paired_accuracy_coverage")
+    rng = np.random.default_rng(3)
+    one = sim.cell(200, 1, 0.9, 0.01, "indep", 3000, rng)
+    assert 0.93 <= one["score"] <= 0.97, one
+    repeated = sim.cell(200, 3, 0.9, 0.01, "repeat", 3000, rng)
+    assert 0.93 <= repeated["score"] <= 0.97 and repeated["pooled"] < 0.85, repeated
+    sampled = sim.cell(200, 5, 0.9, 0.01, "shared", 3000, rng)
+    assert 0.93 <= sampled["score"] <= 0.97, sampled

@@ -127,3 +127,18 @@ def test_plan_prints_the_detectable_drop():
                                   ("--items", 48, "--baseline-accuracy", 0.9, "--margin", -1)])
 def test_plan_refuses_bad_input(args):
     assert _invoke(plan_command, "plan", *args)[0] == 2
+
+
+def test_the_interval_in_summary_json_is_checked_against_the_raw_files(tmp_path):
+    from moebench.summary import build_summary
+
+    run = make_run(tmp_path, configs=("baseline", "kernel"))
+    summary = build_summary(run)
+    older = json.loads(json.dumps(summary))
+    del older["configs"][1]["vs_baseline"]["accuracy_difference"]  # written before the field existed
+    (run / "summary.json").write_text(json.dumps(older))
+    assert gate(run, "--metric", "decode", "--min-speedup", 1.5)[0] == 0
+    summary["configs"][1]["vs_baseline"]["accuracy_difference"]["ci95"] = [-0.1, 0.1]
+    (run / "summary.json").write_text(json.dumps(summary))
+    code, result = gate(run, "--metric", "decode", "--min-speedup", 1.5)
+    assert code == 2 and "accuracy_difference.ci95[0]" in str(result.exception)
