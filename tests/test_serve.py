@@ -190,8 +190,11 @@ def test_a_list_of_prompts_gives_one_choice_each(static_server, suite):
 
 
 @pytest.mark.parametrize("body, status, code", [
-    ({"prompt": "Question: 1\nAnswer:", "temperature": 0.7}, 400, "unsupported_sampling"),
-    ({"prompt": "Question: 1\nAnswer:", "top_p": 0.5}, 400, "unsupported_sampling"),
+    ({"prompt": "Question: 1\nAnswer:", "temperature": -0.5}, 400, "invalid_sampling"),
+    ({"prompt": "Question: 1\nAnswer:", "temperature": 0.7, "top_p": 0}, 400, "invalid_sampling"),
+    ({"prompt": "Question: 1\nAnswer:", "temperature": 0.7, "top_k": -3}, 400, "invalid_sampling"),
+    ({"prompt": "Question: 1\nAnswer:", "temperature": 0.7, "seed": 1 << 70}, 400, "invalid_seed"),
+    ({"prompt": "Question: 1\nAnswer:", "temperature": "hot"}, 400, "invalid_parameter"),
     ({"prompt": "Question: 1\nAnswer:", "n": 2}, 400, "unsupported_parameter"),
     ({"prompt": "Question: 1\nAnswer:", "logprobs": 1, "echo": True}, 400, "unsupported_parameter"),
     ({"prompt": "Question: 1\nAnswer:", "max_tokens": 0}, 400, "invalid_parameter"),
