@@ -144,7 +144,7 @@ def parse_hybrid_config(raw: dict, path: Path) -> HybridModelConfig:
         norm_topk_prob=bool(_field(raw, path, "norm_topk_prob", "moe_renormalize", default=True)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(raw),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=False,  # the family never ties, whatever the flag says (see load_hybrid_checkpoint)
         qk_norm=False,
         attention_bias=bool(raw.get("attention_bias", False)),
         sliding_window=None,
@@ -234,10 +234,13 @@ def load_hybrid_checkpoint(directory: Path, cfg: HybridModelConfig, index, devic
     embed_name = pick("model.word_embeddings.weight", "model.embed_tokens.weight")
     checkpoint_dtype = index._open(index.name_to_file[embed_name]).get_slice(embed_name).get_dtype()
     embed = get(embed_name, cfg.vocab_size, H)
-    if cfg.tie_word_embeddings:
-        lm_head = embed
-    else:
-        lm_head = get(pick("lm_head.weight"), cfg.vocab_size, H)
+    # transformers' bailing_hybrid never ties the output layer to the embeddings (its
+    # _tied_weights_keys is empty): whatever tie_word_embeddings says, it loads and uses
+    # lm_head.weight, so this runtime does too; a checkpoint without one has no defined output layer
+    if "lm_head.weight" not in index:
+        raise MoebenchError(f"{directory}: missing tensor 'lm_head.weight' (Ling-3.0's reference implementation "
+                            "never ties it to the embeddings, whatever tie_word_embeddings says)")
+    lm_head = get("lm_head.weight", cfg.vocab_size, H)
 
     layers, expert_sources = [], {}
     for i in range(cfg.num_layers):
