@@ -274,3 +274,18 @@ def test_bundled_switch_evidence_must_fail_on_the_baseline(tmp_path):
     problems = bundled_problems([base, fused], {"baseline": evidence["fused"], "kernel": evidence["fused"]}, 2, 16)
     assert problems == ["config 'kernel': the evidence of kernel=fused holds for the baseline 'baseline' too, "
                         "so it cannot tell the two apart"]
+
+
+def test_vllm_settings_check_left_unmarked_is_refused_in_one_line(tmp_path):
+    """cuda-graphs' check that prefix caching stayed off holds for the baseline too: unmarked,
+    it would count as proof of CUDA graphs."""
+    text = (REPO / "profiles" / "vllm-qwen3-moe-gpu.toml").read_text()
+    marked = "{ pattern = 'with config: .*enable_prefix_caching=False, ', shared = true }"
+    assert text.count(marked) == 1
+    path = tmp_path / "unmarked.toml"
+    path.write_text(text.replace(marked, "'with config: .*enable_prefix_caching=False, '")
+                    .replace('recorded = "../tests', f'recorded = "{REPO}/tests'))
+    result = _moebench("profiles", "check", path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert ("profile 'cuda-graphs': evidence log ~ 'with config: .*enable_prefix_caching=False, ' also holds "
+            "for the baseline 'baseline' (there: \"with config: model='Qwen/Qwen3-30B-A3B'") in result.stderr
