@@ -268,3 +268,30 @@ def test_serve_with_the_same_seed_gives_the_in_process_tokens(suite, tokenizer, 
             assert texts == [c.text for c in baselines[setting].completions], setting
         ev = httpx.get(server.url + "/v1/moebench/evidence", timeout=30).json()["evidence"]["sampling"]
         assert ev["sampled_positions"] > 0
+
+
+# ----------------------------------------------------------------------------- lm-eval's model
+
+
+def test_lm_eval_generation_settings_reach_the_sampler(suite, baselines):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from moebench.lm_eval_model import MoebenchLM
+
+    lm = MoebenchLM(kernel="fused", max_gen_toks=MAX_NEW)
+    try:
+        def ask(kwargs, doc=0):
+            item = suite.items[doc]
+            args = (suite.prompt(item), {"until": list(suite.stop), "max_gen_toks": MAX_NEW, **kwargs})
+            return lm.generate_until([Instance("generate_until", {}, args, doc, metadata=("t", doc, 1))])[0]
+
+        assert ask({"do_sample": False, "temperature": 0.0}) == baselines["greedy"].completions[0].text
+        sampled = [ask({"do_sample": True, "temperature": 2.0}, doc) for doc in range(6) for _ in range(2)]
+        assert lm.evidence[-1]["sampling"]["settings"] == [[2.0, 1.0, None]]
+        # a repeat of a document draws a new stream; over six documents some pair differs
+        assert any(sampled[2 * d] != sampled[2 * d + 1] for d in range(6))
+        with pytest.raises(MoebenchError, match="do_sample=false with temperature"):
+            ask({"do_sample": False, "temperature": 0.7})
+    finally:
+        lm.close()
