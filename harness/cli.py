@@ -6,6 +6,7 @@ matplotlib) at its top: those imports go inside the functions that need them.
 tests/test_cli_help.py holds every registered command to that.
 """
 
+import os
 import sys
 
 import typer
@@ -83,9 +84,29 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+# wide enough that no line of a command's output wraps, narrow enough that rich's layouts stay sane
+UNWRAPPED_COLUMNS = 1000
+
+
+def _whole_lines_without_a_terminal(argv: list[str]) -> None:
+    """With no terminal on stdin, stdout or stderr (a log file, a pipe, CI), rich lays output out for
+    80 columns and cuts longer lines, words and paths included, into pieces that grep and copy-paste
+    then miss; lines stay whole instead. Help keeps its 80-column layout; COLUMNS set by the user wins."""
+    if os.environ.get("COLUMNS") or not argv or "--help" in argv:
+        return
+    for stream in (sys.stdin, sys.stdout, sys.stderr):
+        try:
+            if stream is not None and stream.isatty():
+                return  # rich sizes its output to that terminal
+        except (AttributeError, ValueError):
+            continue
+    os.environ["COLUMNS"] = str(UNWRAPPED_COLUMNS)
+
+
 def main() -> None:
     """Console entry point: usage, input and I/O errors become one line on stderr and exit code 2
     (exit 1 keeps its meaning: a failed gate or activation check); Ctrl-C exits 130."""
+    _whole_lines_without_a_terminal(sys.argv[1:])
     command = build_command()
     try:
         code = command.main(args=sys.argv[1:], prog_name="moebench", standalone_mode=False)

@@ -343,7 +343,7 @@ def _print_table(info: dict, rows: list[BenchRow]) -> None:
 
 @app.command("bench")
 def bench_command(
-    shape: list[str] = typer.Option(None, "--shape", help=f"Layer shape, repeatable: {', '.join(SHAPES)}, or experts=E,top_k=K,hidden=H,inter=I (default: the named ones)."),
+    shape: list[str] = typer.Option(None, "--shape", help=f"Layer shape, repeatable: {', '.join(SHAPES)}, or any layer as \"experts=E, top_k=K, hidden=H, inter=I\" (quoted; default: the named ones)."),
     tokens: str = typer.Option("1,4,16,64,256", "--tokens", help="Comma-separated token counts per call."),
     repeats: int = typer.Option(10, "--repeats", min=1, help="Timed calls per path and token count (after one warm-up)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
@@ -397,10 +397,10 @@ def tune_command(
         )
     if dtype not in DTYPES:
         raise MoebenchError(f"--dtype: expected one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
-    from moebench.kernels import tuning
+    from moebench.kernels import triton_tune
 
     for s in _resolve_shapes(shape):
-        path = tuning.tune(
+        path = triton_tune.tune(
             experts=s.experts, hidden=s.hidden, inter=s.inter, top_k=s.top_k, dtype=dtype, device=device,
             token_counts=_parse_ints(tokens, "tokens"), out_dir=out_dir, quick=quick,
             log=lambda m: typer.echo(m, err=True),

@@ -17,7 +17,8 @@ from moebench.errors import MoebenchError
 
 def lm_eval_command(
     tasks: str = typer.Option(..., "--tasks", help="Comma-separated tasks: gsm-synth, gsm8k, or any lm-eval task name."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="The first N items of each task."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="The first N items of each task (from --offset)."),
+    offset: int = typer.Option(0, "--offset", help="Skip the first N items of each task (with --limit: items N to N+limit-1; lm-eval's own --samples selection, so few-shot draws follow the items asked)."),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt (default: the task's; the bundled model's 512-token context needs 0 for gsm8k)."),
     data: Optional[Path] = typer.Option(None, "--data", help="GSM8K directory with train.jsonl and test.jsonl (else $MOEBENCH_GSM8K_DIR, else the hub)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory. Default: the bundled gsm-synth MoE."),
@@ -41,6 +42,8 @@ def lm_eval_command(
         raise MoebenchError(f"--limit must be >= 1, got {limit}")
     if num_fewshot is not None and num_fewshot < 0:
         raise MoebenchError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    if offset < 0:
+        raise MoebenchError(f"--offset must be >= 0, got {offset}")
 
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -61,7 +64,10 @@ def lm_eval_command(
                         batch_size=batch_size, max_gen_toks=max_gen_toks, expert_budget=expert_budget,
                         device=device, threads=threads or None)
         try:
-            results = lm_eval.simple_evaluate(model=lm, tasks=task_names, num_fewshot=num_fewshot, limit=limit,
+            selection = _selection(task_names, manager, offset, limit) if offset else None
+            _quiet_git_lookup()
+            results = lm_eval.simple_evaluate(model=lm, tasks=task_names, num_fewshot=num_fewshot,
+                                              limit=None if selection else limit, samples=selection,
                                               task_manager=manager, log_samples=output is not None)
         finally:
             lm.close()
@@ -80,3 +86,38 @@ def lm_eval_command(
                                                                "evidence": lm.evidence}}
         output.write_text(json.dumps(keep, indent=1, default=str))
         typer.echo(f"results: {output}")
+
+
+def _selection(task_names: list[str], manager, offset: int, limit: int | None) -> dict[str, list[int]]:
+    """Item indices per task from `offset` on, as lm-eval's `samples` argument takes them."""
+    from lm_eval.tasks import get_task_dict
+
+    tasks = get_task_dict(task_names, manager)
+    selection = {}
+    for name in task_names:
+        task = tasks.get(name)
+        if task is None or not hasattr(task, "eval_docs"):
+            raise MoebenchError(f"--offset: '{name}' is a group of tasks; give its tasks by name")
+        size = len(task.eval_docs)
+        if offset >= size:
+            raise MoebenchError(f"--offset {offset}: task '{name}' has {size} items")
+        selection[name] = list(range(offset, size if limit is None else min(size, offset + limit)))
+    return selection
+
+
+def _quiet_git_lookup() -> None:
+    """lm-eval records the git commit of the working directory by running `git describe` with git's
+    stderr left on ours: outside a repository every evaluation printed `fatal: not a git
+    repository`. The same lookup, with git's complaint kept to itself."""
+    import subprocess
+
+    import lm_eval.evaluator
+
+    def git_commit() -> str | None:
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() or None if done.returncode == 0 else None
+
+    lm_eval.evaluator.get_git_commit_hash = git_commit

@@ -165,8 +165,10 @@ def run_command(
         )
     if args["repeats"] < 1:
         raise MoebenchError(f"--repeats must be >= 1, got {args['repeats']}")
-    if args["factorial"] and not args["ablate"]:
+    if args["warmup"] < 0:
+        raise MoebenchError(f"--warmup must be >= 0 (0 skips the warm-up), got {args['warmup']}")
     check_sampling_options(args.get("temperature", 0.0), args.get("top_p"), args.get("top_k"))
+    if args["factorial"] and not args["ablate"]:
         raise MoebenchError("--factorial needs --ablate")
     if run_id is not None and (not run_id or run_id in (".", "..") or "/" in run_id or os.sep in run_id):
         raise MoebenchError(f"--run-id '{run_id}': expected a plain folder name")

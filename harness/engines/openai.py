@@ -105,13 +105,19 @@ class ClientOptions:
     backoff_s: float = 0.5
 
 
+def server_root(base_url: str) -> str:
+    """The server's root URL: `http://host:port`, also when given the OpenAI SDK's way, ending in /v1."""
+    root = base_url.strip().rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 class OpenAIEngine:
     """One configuration of a running server. `server` (optional) is the process moebench
     started: its evidence is read after the work, and its death is reported."""
 
     def __init__(self, base_url: str, options: ClientOptions, served_model: str | None = None,
                  tokenizer=None, server=None, start_evidence: tuple[dict, list[str]] = ({}, [])):
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_root(base_url)
         self.options = options
         self.tokenizer = tokenizer
         self.server = server
@@ -126,9 +132,13 @@ class OpenAIEngine:
 
         try:
             r = httpx.get(self.base_url + "/v1/models", timeout=10.0)
+        except httpx.TransportError as e:  # nothing answered: naming a model would not help
+            raise MoebenchError(f"{self.base_url}: the server is unreachable ({type(e).__name__}: {e}); "
+                                "is it running, on this host and port?") from None
+        try:
             r.raise_for_status()
             return r.json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
             raise MoebenchError(f"{self.base_url}/v1/models: cannot read the served model ({type(e).__name__}); "
                                 "give --served-model") from None
 
