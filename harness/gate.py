@@ -114,7 +114,7 @@ def _verdict_rule(c: dict, policy: Policy) -> Rule:
     ci = diff.get("ci95")
     measured = "n/a (no paired items)" if not ci else (
         f"{v['verdict']}, {diff['points']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
-        + (f"; 80% power at -{v['detectable_drop']:.1f}" if v.get("detectable_drop") is not None else ""))
+        + (f"; a drop >= {v['detectable_drop']:.1f} detectable" if v.get("detectable_drop") is not None else ""))
     unsure = v["verdict"] == "inconclusive"
     note = ""
     if unsure:

@@ -515,14 +515,14 @@ def write_report(run_dir: Path, out_dir: Path | None = None, margin: float | Non
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise MoebenchError(f"{run_dir}: no such results directory")
+    if margin is not None and not 0 < margin < 100:
+        raise MoebenchError(f"--margin {margin:g}: give accuracy points between 0 and 100")
     # the output folder is checked before the run is read and the plots are drawn
     out_dir = ensure_writable_dir(out_dir if out_dir is not None else Path("reports") / _run_id(run_dir), "--out")
 
     from moebench import plots
     from moebench.summary import load_run, load_summary, with_margin
 
-    if margin is not None and not 0 < margin < 100:
-        raise MoebenchError(f"--margin {margin:g}: give accuracy points between 0 and 100")
     run = load_run(run_dir)
     summary = load_summary(run_dir)
     if margin is not None:

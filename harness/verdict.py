@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from moebench.errors import MoebenchError
 
-VERDICTS = ("identical", "non-inferior", "regression", "inconclusive")
-
 
 def config_entry(summary: dict, name: str) -> dict:
     for c in summary["configs"]:
