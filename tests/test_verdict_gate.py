@@ -142,3 +142,13 @@ def test_the_interval_in_summary_json_is_checked_against_the_raw_files(tmp_path)
     (run / "summary.json").write_text(json.dumps(summary))
     code, result = gate(run, "--metric", "decode", "--min-speedup", 1.5)
     assert code == 2 and "accuracy_difference.ci95[0]" in str(result.exception)
+
+
+def test_margin_and_require_power_are_checked(tmp_path):
+    run = make_run(tmp_path, configs=("baseline", "kernel"))
+    assert gate(run, "--margin", 0)[0] == 2
+    for bad in ("margin = 'one'", "require_power = 'yes'", "margin = 150"):
+        policy = tmp_path / "p.toml"
+        policy.write_text(f"[gate]\n{bad}\n")
+        code, result = gate(run, "--policy", policy)
+        assert code == 2, bad
