@@ -250,10 +250,14 @@ class PooledStore(ExpertStore):
         buffers = reading_threads * tier.read_buffer_bytes_per_thread()
         self.rows = len(moe) * slots - math.ceil(buffers / self.expert_pool_bytes)
         if self.rows < cfg.num_experts:
+            from moebench.engine.budget_floor import smallest_budget_note
+
             raise MoebenchError(
                 f"--expert-budget {self.budget}: {len(moe) * slots} expert rows, less "
                 f"{len(moe) * slots - self.rows} for {reading_threads} read buffers, cannot hold the "
-                f"{cfg.num_experts} experts one call of a layer can need; raise the budget")
+                f"{cfg.num_experts} experts one call of a layer can need; "
+                + smallest_budget_note(cfg.num_experts, len(moe), len(moe) * slots - self.rows,
+                                       self.expert_pool_bytes))
         self.quota = self.rows // len(moe)  # each layer's share (see _claim)
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         self.w13 = memory.empty((self.rows, 2 * inter, hidden), dtype, runtime.device)
