@@ -69,3 +69,41 @@ def test_a_server_reporting_a_short_context_is_refused_before_any_trial(tmp_path
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"context of {max_len} tokens" in r.stderr and f"has {longest} tokens" in r.stderr
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_llama_server_s_slot_context_is_read_and_enforced(tmp_path, llama_server):
+    """llama-server states its slot's context (n_ctx in /v1/models' meta and /props): 5-shot prompts
+    plus 256 new tokens beyond it are refused before any trial."""
+    import socket
+    import time
+
+    import httpx
+
+    from moebench.engines.llamacpp import bundled_gguf_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(llama_server), "-m", str(bundled_gguf_path()), "--host", "127.0.0.1", "--port",
+                               str(port), "-c", "1024", "-np", "2", "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        n_ctx = httpx.get(url + "/props").json()["default_generation_settings"]["n_ctx"]
+        longest = _longest("gsm-synth", 5, 4)
+        assert longest + 256 > n_ctx
+        r = _moebench("run", "--engine", "openai", "--base-url", url, "--tokenizer", BUNDLED, "--num-fewshot", 5,
+                      "--limit", 4, "--warmup", 4, "--out", tmp_path / "r")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"context of {n_ctx} tokens" in r.stderr and f"has {longest} tokens" in r.stderr
