@@ -148,16 +148,16 @@ class SlowedPrefetcher:
 def _candidate_extra(extra: dict, quiet: bool):
     """Give the candidate's runtime `extra` (the injected slowdown), and keep measure() quiet.
 
-    measure() looks `_runtime_for` up in moebench.run at call time, so replacing it there
-    reaches both the warm-up and the trials without touching run.py or measure.py. The engine
+    The bundled backend looks `runtime_for` up in moebench.ablation at call time, so replacing it
+    there reaches both the warm-up and the trials without touching the package. The engine
     builds its store and prefetcher through `make_store_and_prefetcher`; wrapped here, the
     prefetcher of a runtime whose `extra` asks for a slowdown is a SlowedPrefetcher.
     """
+    import moebench.ablation as ablation_mod
     import moebench.engine.llm_engine as engine_mod
     import moebench.measure as measure_mod
-    import moebench.run as run_mod
 
-    original = run_mod._runtime_for
+    original = ablation_mod.runtime_for
     original_make = engine_mod.make_store_and_prefetcher
 
     def runtime_for(base, cfg):
@@ -176,7 +176,7 @@ def _candidate_extra(extra: dict, quiet: bool):
         return store, prefetcher
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(run_mod, "_runtime_for", runtime_for))
+        stack.enter_context(mock.patch.object(ablation_mod, "runtime_for", runtime_for))
         stack.enter_context(mock.patch.object(engine_mod, "make_store_and_prefetcher", make_store_and_prefetcher))
         if quiet:
             stack.enter_context(mock.patch.object(measure_mod, "console", Console(quiet=True)))
@@ -355,7 +355,7 @@ def run_bench(runs: int = 20, scenarios: tuple[str, ...] = SCENARIOS, model: Pat
     """
     import torch
 
-    import moebench.run as run_mod
+    import moebench.ablation as ablation_mod
     from moebench.engine import RuntimeConfig
     from moebench.machine import describe_machine
     from moebench.measure import CheckpointVariants, warm_up
@@ -384,7 +384,7 @@ def run_bench(runs: int = 20, scenarios: tuple[str, ...] = SCENARIOS, model: Pat
         machine = describe_machine(measure_bandwidth=False)
         # One warm-up for the whole benchmark (the process stays warm between runs).
         with _candidate_extra({}, quiet):
-            warm_up(_configs(), CheckpointVariants(ckpt), tokenizer, suite_obj, runtime, run_mod._runtime_for,
+            warm_up(_configs(), CheckpointVariants(ckpt), tokenizer, suite_obj, runtime, ablation_mod.runtime_for,
                     min(len(suite_obj.items), 4))
 
         results, summaries = [], []

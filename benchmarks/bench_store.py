@@ -26,7 +26,8 @@ import torch
 
 def _stores(ckpt, budget: float):
     from moebench.engine import RuntimeConfig
-    from moebench.engine.expert_store import PooledStore, slots_for_budget
+    from moebench.engine.expert_store import PooledStore
+    from moebench.engine.stores import slots_for_budget
     from moebench.engine.native_store import NativePooledStore
     from moebench.engine.offload import HostTier
 

@@ -6,8 +6,9 @@ Modules are found through pyproject.toml's package-dir mapping (moebench = harne
 = engine/, ...), which is also why import-linter cannot read this tree as it lies: tests/
 test_architecture.py lays the package out as installed before running it. An import of
 `pkg.name` where `pkg/name.py` exists counts as an import of that module, else of `pkg`, as
-grimp (import-linter's graph) counts it. A cycle is a strongly connected component of more than
-one module; --edges lists the imports inside each, with their lines.
+grimp (import-linter's graph) counts it; imports under `if TYPE_CHECKING:` never run and are left
+out. A cycle is a strongly connected component of more than one module; --edges lists the imports
+inside each, with their lines.
 """
 
 from __future__ import annotations
@@ -48,13 +49,25 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (never run; import-linter is told to skip them too)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
 def imports(modules: dict[str, Path]) -> dict[str, dict[str, list[int]]]:
     """module -> {imported module of the package: [lines]}."""
     graph: dict[str, dict[str, list[int]]] = {m: {} for m in modules}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         is_package = path.stem == "__init__"
+        skip = _type_checking_only(tree)
         for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]

@@ -3,7 +3,7 @@
 # The names below resolve on first use (PEP 562): `moebench.engine.config` (the switch names)
 # then imports without torch, which keeps the CLI's --help and usage errors instant.
 _EXPORTS = {
-    "ModelConfig": "config", "RuntimeConfig": "config", "load_checkpoint": "loader",
+    "ModelConfig": "config", "RuntimeConfig": "config", "load_checkpoint": "families",
     "Engine": "llm_engine", "Request": "llm_engine", "Completion": "llm_engine", "StepRecord": "llm_engine",
 }
 

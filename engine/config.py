@@ -8,8 +8,6 @@ from pathlib import Path
 
 from moebench.errors import MoebenchError
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "mixtral", "bailing_hybrid")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -60,23 +58,23 @@ def _rope_theta(raw: dict) -> float:
     return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
-def parse_model_config(path: Path) -> ModelConfig:
-    """Read `config.json`; an unknown architecture or a missing field is a one-line error naming the file."""
+def read_config_json(path: Path) -> dict:
+    """`config.json` as a dict; a missing or malformed file is a one-line error naming it."""
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise MoebenchError(f"{path}: no such file (a checkpoint directory needs config.json)") from None
     except json.JSONDecodeError as e:
         raise MoebenchError(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
-    family = raw.get("model_type")
-    if family not in SUPPORTED_FAMILIES:
-        raise MoebenchError(
-            f"{path}: unknown model_type '{family}' (supported: {', '.join(SUPPORTED_FAMILIES)})"
-        )
-    if family == "bailing_hybrid":  # Ling-3.0: its own layer kinds and router (engine/bailing_hybrid.py)
-        from moebench.engine.bailing_hybrid import parse_hybrid_config
+    if not isinstance(raw, dict):
+        raise MoebenchError(f"{path}: expected a JSON object")
+    return raw
 
-        return parse_hybrid_config(raw, Path(path))
+
+def parse_transformer_config(raw: dict, path: Path) -> ModelConfig:
+    """A Qwen3-MoE or Mixtral `config.json` (engine/families.py picks the parser by model_type); a
+    missing field is a one-line error naming the file."""
+    family = raw.get("model_type")
     hidden = int(_require(raw, "hidden_size", path))
     heads = int(_require(raw, "num_attention_heads", path))
     num_layers = int(_require(raw, "num_hidden_layers", path))

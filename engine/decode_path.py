@@ -41,6 +41,7 @@ class DecodePath:
         self.chains = chains
         # decode steps by the threads they ran on, "pool=P torch=T", as read inside the step
         self.threads_seen: dict[str, int] = {}
+        self._ext = None
 
     @property
     def pool(self) -> bool:
@@ -54,10 +55,12 @@ class DecodePath:
     def observe_threads(self) -> None:
         import torch
 
-        from moebench.kernels.cpu_moe import load_extension
+        if self._ext is None:  # looked up once: the step reads the pool's threads through it
+            from moebench.kernels.cpu_moe import load_extension
 
-        ext = load_extension()
-        pool = ext.pool_threads() if ext is not None and hasattr(ext, "pool_threads") else 0
+            ext = load_extension()
+            self._ext = ext if ext is not None and hasattr(ext, "pool_threads") else False
+        pool = self._ext.pool_threads() if self._ext else 0
         key = f"pool={pool} torch={torch.get_num_threads()}"
         self.threads_seen[key] = self.threads_seen.get(key, 0) + 1
 
@@ -66,9 +69,10 @@ class DecodePath:
                 "step_pool": self.pool, "decode_threads": dict(self.threads_seen)}
 
 
-def decide(requested: str | None, model, runtime=None) -> DecodePath:
+def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:
     """The decode path of a session of `model` (an MoeTransformer) for `requested` (a CHOICES entry,
-    None for auto). `runtime`, where given, is checked against what `native` needs."""
+    None for auto). `runtime` and `experts_resident` (whether its store holds every expert: the
+    session's store, engine/stores.py, says) are checked against what `native` needs."""
     requested = requested or DEFAULT
     if requested not in CHOICES:
         raise MoebenchError(f"unknown decode path '{requested}' (choose from: {', '.join(CHOICES)})")
@@ -82,7 +86,7 @@ def decide(requested: str | None, model, runtime=None) -> DecodePath:
     if requested == "eager":
         return DecodePath(requested, "eager", "asked for", False)
     if requested == "native":
-        problem = native_step_problem(model, runtime)
+        problem = native_step_problem(model, runtime, experts_resident)
         if problem:
             raise MoebenchError(f"decode path 'native' cannot run: {problem} (use --decode-path chained)")
         return DecodePath(requested, "native", "asked for", True)
@@ -90,7 +94,7 @@ def decide(requested: str | None, model, runtime=None) -> DecodePath:
                       "the extension's step ops run here (auto picks chained, never native)", chains)
 
 
-def native_step_problem(model, runtime) -> str | None:
+def native_step_problem(model, runtime, experts_resident: bool = True) -> str | None:
     """Why a decode step's layers cannot all run in one C++ call for this model and runtime, or None.
     The experts' residency and dtype are checked again when the call is built (MoeBlock.resident_experts)."""
     cfg = model.cfg
@@ -103,12 +107,11 @@ def native_step_problem(model, runtime) -> str | None:
         return "the model has dense layers, which the one call does not run"
     if runtime is None:
         return None
-    from moebench.engine.expert_store import store_layout
     from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
 
     if cpu_backend() != BACKEND_CPP:
         return "the fused C++ MoE kernel did not build"
-    if store_layout(model.ckpt, runtime)[1] < cfg.num_experts:
+    if not experts_resident:
         return f"expert budget {runtime.expert_budget} leaves experts out of memory, and the one call loads none"
     return None
 

@@ -1,12 +1,58 @@
-"""What a model family needs from an engine session: its block manager, its cache and its forward.
+"""The model families behind one registry: how a family's config is parsed, its checkpoint loaded,
+and what an engine session needs from it (block manager, cache, forward, bytes per step).
 
-Qwen3-MoE and Mixtral run `MoeTransformer` over a paged K/V cache. Ling-3.0 (`bailing_hybrid`)
-runs `HybridTransformer` over paged MLA latents plus one recurrent-state slot per resident request
-(`moebench.engine.linear_state`); its block manager hands the slots out, so schedulers need not know."""
+Qwen3-MoE and Mixtral run `MoeTransformer` over a paged K/V cache (engine/config.py, loader.py,
+model.py). Ling-3.0 (`bailing_hybrid`) runs `HybridTransformer` over paged MLA latents plus one
+recurrent-state slot per resident request (`moebench.engine.linear_state`); its block manager hands
+the slots out, so schedulers need not know. This module sits above the families' own modules, which
+import none of it: nothing below asks which family it is."""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+
+from moebench.errors import MoebenchError
+
+SUPPORTED_FAMILIES = ("qwen3_moe", "mixtral", "bailing_hybrid")
+
+
+def parse_model_config(path: Path):
+    """A checkpoint's `config.json` as its family's config; an unknown architecture or a missing field
+    is a one-line error naming the file."""
+    from moebench.engine.config import parse_transformer_config, read_config_json
+
+    raw = read_config_json(path)
+    family = raw.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise MoebenchError(f"{path}: unknown model_type '{family}' (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    if family == "bailing_hybrid":  # Ling-3.0: its own layer kinds and router
+        from moebench.engine.bailing_hybrid import parse_hybrid_config
+
+        return parse_hybrid_config(raw, Path(path))
+    return parse_transformer_config(raw, Path(path))
+
+
+def load_checkpoint(path, device: str = "cpu", dtype=None, experts_in_checkpoint_dtype: bool = False,
+                    load_experts: bool = True):
+    """A checkpoint directory (safetensors) in the engine's weight layout, float32 unless `dtype` says.
+    `experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype.
+    `load_experts=False`: leave routed experts in the files for the disk tier (Qwen3-MoE, Mixtral)."""
+    import torch
+
+    from moebench.engine.loader import TensorIndex, load_transformer_checkpoint
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise MoebenchError(f"{directory}: not a directory (expected a checkpoint with config.json and *.safetensors)")
+    cfg = parse_model_config(directory / "config.json")
+    index = TensorIndex(directory)
+    dtype = torch.float32 if dtype is None else dtype
+    if cfg.family == "bailing_hybrid":
+        from moebench.engine.bailing_hybrid import load_hybrid_checkpoint
+
+        return load_hybrid_checkpoint(directory, cfg, index, device, dtype, experts_in_checkpoint_dtype)
+    return load_transformer_checkpoint(directory, cfg, index, device, dtype, experts_in_checkpoint_dtype,
+                                       load_experts)
 
 
 def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
@@ -24,18 +70,22 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
     from moebench.engine.model import MoeTransformer
 
     from moebench.engine import decode_path
+    from moebench.engine.stores import store_layout
 
     block_manager = BlockManager(num_kv_blocks, runtime.kv_block_size)
     kv = KVCache(cfg.num_layers, num_kv_blocks, runtime.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                  runtime.torch_dtype, runtime.device)
     model = MoeTransformer(ckpt, None)
     # the one place a session's decode path is decided (engine/decode_path.py)
-    model.decode_path = decode_path.decide(runtime.decode_path, model, runtime)
+    resident = store_layout(ckpt, runtime)[1] >= cfg.num_experts
+    model.decode_path = decode_path.decide(runtime.decode_path, model, runtime, experts_resident=resident)
     return block_manager, kv, model
 
 
 def non_expert_bytes_per_step(ckpt, element_size: int) -> int:
     """Bytes of weights every step reads besides the routed experts (the roofline's fixed part)."""
+    import torch
+
     cfg = ckpt.config
     if cfg.family == "bailing_hybrid":  # its layers differ in kind: count what they hold
         skip = ("w13", "w2", "router", "expert_bias")

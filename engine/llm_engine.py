@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from moebench.engine.config import RuntimeConfig
-from moebench.engine.expert_store import make_store_and_prefetcher
+from moebench.engine.stores import make_store_and_prefetcher
 from moebench.engine.families import cache_bytes_per_step, make_cache_and_model, non_expert_bytes_per_step
 from moebench.engine.loader import Checkpoint
 from moebench.engine.model import build_forward_batch

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moebench.engine.config import ModelConfig, parse_model_config
+from moebench.engine.config import ModelConfig
 from moebench.engine import memory
 from moebench.engine.memory import to_huge_pages
 from moebench.errors import MoebenchError
@@ -77,7 +77,7 @@ class Checkpoint:
         return total
 
 
-class _TensorIndex:
+class TensorIndex:
     """Name -> file map over one file or a sharded `*.safetensors.index.json` set."""
 
     def __init__(self, directory: Path):
@@ -147,21 +147,14 @@ def _router_name(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.{block}.gate.weight"
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                    experts_in_checkpoint_dtype: bool = False, load_experts: bool = True) -> Checkpoint:
-    """`experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype (for an
-    expert budget below 1, whose store upcasts only the experts it holds; halves their memory).
-    `load_experts=False`: routed experts stored one tensor per expert stay in the files (w13/w2 None,
-    their places in `expert_sources`): the disk tier reads them, and no copy of them is held."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise MoebenchError(f"{directory}: not a directory (expected a checkpoint with config.json and *.safetensors)")
-    cfg = parse_model_config(directory / "config.json")
-    index = _TensorIndex(directory)
-    if cfg.family == "bailing_hybrid":
-        from moebench.engine.bailing_hybrid import load_hybrid_checkpoint
-
-        return load_hybrid_checkpoint(directory, cfg, index, device, dtype, experts_in_checkpoint_dtype)
+def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: TensorIndex, device: str,
+                                dtype: torch.dtype, experts_in_checkpoint_dtype: bool = False,
+                                load_experts: bool = True) -> Checkpoint:
+    """A Qwen3-MoE or Mixtral checkpoint (engine/families.py's load_checkpoint picks the loader by family).
+    `experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype (the store
+    holds them so, or converts only those it holds). `load_experts=False`: routed experts stored one
+    tensor per expert stay in the files (w13/w2 None, their places in `expert_sources`): the disk
+    tier reads them, and no copy of them is held."""
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return index.get(name, shape).to(device=device, dtype=dtype)

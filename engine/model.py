@@ -411,7 +411,7 @@ def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dty
     """Decode attention on the CPU in float32 is the C++ kernel's; a decode call the torch path ran
     there fell back (the extension did not build), which is an activation failure unless the user
     chose it (MOEBENCH_DECODE_ATTENTION=torch) or accepts fallbacks (MOEBENCH_ALLOW_FALLBACK=1)."""
-    from moebench.engine.moe import fallback_allowed
+    from moebench.engine.fallbacks import fallback_allowed
 
     fell_back = (backends or {}).get("torch-sdpa", 0)
     if not fell_back or device != "cpu" or dtype != torch.float32 or fallback_allowed():

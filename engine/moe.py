@@ -14,14 +14,8 @@ import os
 
 import torch
 
+from moebench.engine.fallbacks import ALLOW_FALLBACK_ENV, fallback_allowed
 from moebench.engine.routing_stats import RoutingStats
-
-ALLOW_FALLBACK_ENV = "MOEBENCH_ALLOW_FALLBACK"
-
-
-def fallback_allowed() -> bool:
-    """Whether the user accepted slower implementations standing in for the configured ones."""
-    return os.environ.get(ALLOW_FALLBACK_ENV, "") not in ("", "0")
 
 
 class MoeKernel:

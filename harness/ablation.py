@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from moebench.errors import MoebenchError
 
 SWITCHES = ("kernel", "scheduler", "prefetch")
 OFF = {"kernel": "naive", "scheduler": "static", "prefetch": "off"}
@@ -82,3 +84,25 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
             seen.add(p.name)
             points.append(p)
     return points
+
+
+def runtime_for(base, cfg: ConfigPoint):
+    """The RuntimeConfig one point of the matrix runs: the run's settings with its switches."""
+    rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
+    if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget
+        rt = replace(rt, expert_budget=parse_budget(cfg.expert_budget))
+    return rt
+
+
+def parse_budget(text: str) -> float | str:
+    """--expert-budget as a fraction in (0, 1] or a size string (8GB)."""
+    text = str(text).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        if text.upper().endswith(("GB", "MB", "GIB", "MIB")):
+            return text
+        raise MoebenchError(f"--expert-budget: expected a fraction such as 0.5 or a size such as 8GB, got '{text}'") from None
+    if not 0 < value <= 1:
+        raise MoebenchError(f"--expert-budget: a fraction must be in (0, 1], got {value}")
+    return value

@@ -180,8 +180,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     import numpy as np
     import torch
 
-    from moebench.engine.config import parse_model_config
-    from moebench.engine.loader import load_checkpoint
+    from moebench.engine.families import load_checkpoint, parse_model_config
 
     if dtype not in WEIGHT_DTYPES:
         raise MoebenchError(f"unknown weight type '{dtype}' (choose from: {', '.join(WEIGHT_DTYPES)})")

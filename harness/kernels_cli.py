@@ -397,10 +397,10 @@ def tune_command(
         )
     if dtype not in DTYPES:
         raise MoebenchError(f"--dtype: expected one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
-    from moebench.kernels import tuning
+    from moebench.kernels import triton_tune
 
     for s in _resolve_shapes(shape):
-        path = tuning.tune(
+        path = triton_tune.tune(
             experts=s.experts, hidden=s.hidden, inter=s.inter, top_k=s.top_k, dtype=dtype, device=device,
             token_counts=_parse_ints(tokens, "tokens"), out_dir=out_dir, quick=quick,
             log=lambda m: typer.echo(m, err=True),

@@ -167,13 +167,14 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
             backend=None) -> None:
     """Run every (trial, config) not yet done. `backend` is the engine (moebench.engines); the
     default is the bundled runtime on `ckpt` with `base_runtime`."""
-    from moebench.run import _sample_record
+    from moebench.samples import sample_record
 
     repeats = manifest["repeats"]
     if backend is None:
         from moebench.engines.bundled import BundledBackend
 
-        backend = BundledBackend(configs, CheckpointVariants(ckpt), tokenizer, base_runtime, run_sampling(args))
+        backend = BundledBackend(configs, CheckpointVariants(ckpt), tokenizer, base_runtime, run_sampling(args),
+                                 warm_up=warm_up)
     configs = backend.configs
     max_new_tokens = base_runtime.max_new_tokens if base_runtime is not None else args["max_new_tokens"]
     done = _completed_trials(run_dir)
@@ -206,7 +207,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 tokens = [0]
 
                 def on_complete(completion, cfg=cfg, trial=trial, task=task):
-                    record = _sample_record(cfg.name, trial, items_by_id[completion.id], suite, completion)
+                    record = sample_record(cfg.name, trial, items_by_id[completion.id], suite, completion)
                     append_jsonl(samples_file, record)
                     tokens[0] += record["output_tokens"]
                     rate = f"{tokens[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s"

@@ -14,32 +14,22 @@ import os
 import secrets
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from moebench.ablation import OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, point, resident_reference
+from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
+from moebench.ablation import runtime_for as _runtime_for
+from moebench.bundled_model import BUNDLED_MODEL, bundled_model_path  # noqa: F401 (imported from here)
 from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
 from moebench.options import TEMPERATURE, TOP_K, TOP_P, check_sampling_options
 
-BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled" / "gsm-synth-moe"
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
 IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
-
-
-def bundled_model_path() -> Path:
-    return BUNDLED_MODEL
-
-
-def _runtime_for(base, cfg: ConfigPoint):
-    rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
-    if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget
-        rt = replace(rt, expert_budget=_parse_budget(cfg.expert_budget))
-    return rt
 
 
 def _budget_text(args: dict) -> str:
@@ -70,38 +60,6 @@ def _model_summary(ckpt) -> dict:
         "hidden_size": c.hidden_size,
         "moe_intermediate_size": c.moe_intermediate_size,
         "dtype": str(ckpt.checkpoint_dtype).replace("torch.", ""),
-    }
-
-
-def _sample_record(cfg_name, trial, item, suite, completion) -> dict:
-    """One line of samples.jsonl; a failed request (HTTP engines) is kept, with its error."""
-    if completion.error is not None:
-        return {"config": cfg_name, "trial": trial, "item_id": item.id, "prompt_tokens": None, "output": "",
-                "answer": None, "answer_strict": None, "target": item.target, "correct": False,
-                "correct_strict": False, "output_tokens": 0, "finish_reason": "error", "ttft_s": None,
-                "latency_s": None, "tpot_s": None, "itl_s": [], "error": completion.error}
-    score = suite.score(completion.text, item)
-    itl = completion.itl_s
-    n = completion.output_tokens
-    return {
-        "config": cfg_name,
-        "trial": trial,
-        "item_id": item.id,
-        "prompt_tokens": completion.prompt_tokens,
-        "output": completion.text,
-        "answer": score.answer,
-        "answer_strict": score.answer_strict,
-        "target": item.target,
-        "correct": bool(score.correct),
-        "correct_strict": bool(score.correct_strict),
-        "output_tokens": n,
-        "finish_reason": completion.finish_reason,
-        "ttft_s": round(completion.ttft_s, 6),
-        "latency_s": round(completion.latency_s, 6),
-        # vLLM's TPOT: the time after the first token over the tokens after it
-        "tpot_s": round((completion.latency_s - completion.ttft_s) / (n - 1), 6) if n > 1 else None,
-        "itl_s": [round(x, 6) for x in itl],
-        "error": None,
     }
 
 
@@ -182,7 +140,7 @@ def run_command(
         if threads is not None and threads < 0:
             raise MoebenchError(f"--threads must be >= 0, got {threads}")
         budget = _budget_text(args)
-        from moebench.engine.expert_store import resolve_tier  # (torch) only once the switches are valid
+        from moebench.engine.stores import resolve_tier  # (torch) only once the switches are valid
 
         base_runtime = RuntimeConfig(
             device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
@@ -321,7 +279,7 @@ def _fitting_suite(args: dict):
     """The run's suite, refused when its longest prompt plus --max-new-tokens exceeds the model's
     context: past it the model writes garbage that would score as wrong answers (exit 0)."""
     from moebench.context_fit import check_suite_fits, run_hint, tokenizer_encoder
-    from moebench.engine.config import parse_model_config
+    from moebench.engine.families import parse_model_config
     from moebench.engine.loader import load_tokenizer
 
     suite_obj = _load_run_suite(args)
@@ -409,19 +367,6 @@ def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
         engine=backend.describe())
 
 
-def _parse_budget(text: str) -> float | str:
-    text = str(text).strip()
-    try:
-        value = float(text)
-    except ValueError:
-        if text.upper().endswith(("GB", "MB", "GIB", "MIB")):
-            return text
-        raise MoebenchError(f"--expert-budget: expected a fraction such as 0.5 or a size such as 8GB, got '{text}'") from None
-    if not 0 < value <= 1:
-        raise MoebenchError(f"--expert-budget: a fraction must be in (0, 1], got {value}")
-    return value
-
-
 def _configs(args: dict) -> list[ConfigPoint]:
     configs = _exact_configs(args)
     if args["ablate"] and "prefetch" in {c.name for c in configs} and _parse_budget(_budget_text(args)) not in (1, 1.0):
@@ -457,7 +402,7 @@ def _load_model(path: Path, runtime):
         if not torch.cuda.is_available():
             raise MoebenchError("--device cuda: no CUDA device is available")
     # below a full budget, or on the CPU, the experts stay in the file's dtype: the store holds them so
-    # where the kernels widen them (expert_store.expert_store_dtype), else converts only those it
+    # where the kernels widen them (stores.expert_store_dtype), else converts only those it
     # holds; with the disk tier they stay in the files (no copy in memory)
     offloading = runtime.expert_budget not in (1, 1.0)
     ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype,
@@ -494,13 +439,10 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         # which implementations run (a compiled kernel, or the torch fallback)
         "fused_moe_backend": fused_backend(runtime.device),
         "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
+        "sampling": _sampling_record(args),
     })
 
 
-        "sampling": _sampling_record(args),
-def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
-    """manifest.json: what ran, on what, from which command, code and packages."""
-    from moebench.machine import describe_machine, git_commit, package_versions
 def _sampling_record(args: dict) -> dict:
     """How tokens were chosen and each request's seed made (the engine's evidence shows it drew)."""
     from moebench.engine.sampling import GREEDY, describe_sampling
@@ -509,6 +451,9 @@ def _sampling_record(args: dict) -> dict:
     return describe_sampling(run_sampling(args) or GREEDY)
 
 
+def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
+    """manifest.json: what ran, on what, from which command, code and packages."""
+    from moebench.machine import describe_machine, git_commit, package_versions
 
     return {
         "schema": "moebench.manifest/1",

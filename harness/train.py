@@ -6,7 +6,7 @@ experts); only the order of work differs: the experts run as one capacity-padded
 matmul instead of a loop.  Parameter names and shapes are transformers' own, so the state
 dict loads straight into ``Qwen3MoeForCausalLM`` for evaluation and export.
 
-Run: ``moebench train-bundled`` (or ``python -m moebench.train``); the command line is in train_cli.py.
+Run: ``moebench train-bundled``; the command line is in train_cli.py (above this module).
 """
 
 from __future__ import annotations
@@ -600,11 +600,3 @@ def evaluate_bundle(path: Path = BUNDLED_DIR, limit: int | None = None, threads:
     return {"test_items": len(items), "test_correct": correct, "test_accuracy": acc,
             "expert_load_max_over_mean": [round(x, 3) for x in ratio.tolist()],
             "expert_load_min_over_mean": [round(x, 3) for x in share.tolist()]}
-
-
-if __name__ == "__main__":
-    import typer
-
-    from moebench.train_cli import train_bundled_command
-
-    typer.run(train_bundled_command)

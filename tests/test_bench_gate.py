@@ -15,17 +15,18 @@ results_table, run_bench, sweep_table = bench_gate.results_table, bench_gate.run
 
 
 def test_slowdown_reaches_only_the_candidate():
-    import moebench.run as run_mod
+    import moebench.ablation as ablation_mod
     from moebench.engine import RuntimeConfig
 
-    original = run_mod._runtime_for
+    original = ablation_mod.runtime_for
     base = RuntimeConfig()
     baseline, candidate = _configs()
     with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
-        assert run_mod._runtime_for(base, candidate).extra == {"inject_slowdown": 0.15}
-        assert run_mod._runtime_for(base, baseline).extra == {}
-        assert run_mod._runtime_for(base, candidate).switches() == run_mod._runtime_for(base, baseline).switches()
-    assert run_mod._runtime_for is original
+        runtime_for = ablation_mod.runtime_for
+        assert runtime_for(base, candidate).extra == {"inject_slowdown": 0.15}
+        assert runtime_for(base, baseline).extra == {}
+        assert runtime_for(base, candidate).switches() == runtime_for(base, baseline).switches()
+    assert ablation_mod.runtime_for is original
 
 
 def test_the_slowdown_wraps_the_candidates_prefetcher_not_the_engine(tmp_path):

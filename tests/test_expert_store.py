@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.expert_store import (
-    STEP_KEYS, PooledStore, ResidentStore, make_store_and_prefetcher, slots_for_budget,
-)
+from moebench.engine.expert_store import STEP_KEYS, PooledStore, ResidentStore
+from moebench.engine.stores import make_store_and_prefetcher, slots_for_budget
 from moebench.engine.offload import DiskTier, ExpertTier, HostTier
 from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint, sharded_copy
@@ -276,7 +275,7 @@ def test_both_kernels_get_bfloat16_experts_and_the_same_outputs(ckpt, monkeypatc
     """Both kernels get a bfloat16 checkpoint's experts as stored (the fused C++ kernel widens them in
     registers, the naive loop per expert, both exactly): resident or pooled, every output equals the
     one float32 experts give."""
-    import moebench.engine.expert_store as expert_store
+    import moebench.engine.stores as stores
     from moebench.kernels import cpu_backend
     from moebench.kernels.cpu_moe import BACKEND_CPP
 
@@ -288,7 +287,7 @@ def test_both_kernels_get_bfloat16_experts_and_the_same_outputs(ckpt, monkeypatc
             result = generate(ckpt, kernel=kernel, expert_budget=budget)
             assert result.evidence["prefetch"]["expert_dtype"] == "bfloat16"
             runs[kernel, budget] = [c.output_ids for c in result.completions]
-    monkeypatch.setattr(expert_store, "expert_store_dtype", lambda stored, compute, device: compute)
+    monkeypatch.setattr(stores, "expert_store_dtype", lambda stored, compute, device: compute)
     as_float = generate(ckpt, kernel="naive")
     assert as_float.evidence["prefetch"]["expert_dtype"] == "float32"
     assert all(out == [c.output_ids for c in as_float.completions] for out in runs.values())

@@ -90,7 +90,7 @@ def test_off_and_lookahead_get_the_same_store(tier):
     import torch
 
     from moebench.engine import RuntimeConfig, load_checkpoint
-    from moebench.engine.expert_store import make_store_and_prefetcher
+    from moebench.engine.stores import make_store_and_prefetcher
     from moebench.run import bundled_model_path
 
     ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32, experts_in_checkpoint_dtype=True)
@@ -141,7 +141,7 @@ def test_both_kernels_get_the_same_slots_for_a_byte_budget(tmp_path):
     import torch
 
     from moebench.engine import RuntimeConfig, load_checkpoint
-    from moebench.engine.expert_store import make_store_and_prefetcher
+    from moebench.engine.stores import make_store_and_prefetcher
     from moebench.kernels import cpu_backend
     from moebench.kernels.cpu_moe import BACKEND_CPP
     from tiny_models import make_tiny_checkpoint

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.expert_store import PooledStore, make_store_and_prefetcher
+from moebench.engine.expert_store import PooledStore
+from moebench.engine.stores import make_store_and_prefetcher
 from moebench.engine.native_store import NativePooledStore
 from moebench.engine.offload import DiskTier, HostTier
 from moebench.errors import MoebenchError

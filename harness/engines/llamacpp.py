@@ -232,7 +232,7 @@ def gguf_path(model_dir: Path, dtype: str = "f32") -> Path:
 
 
 def bundled_gguf_path(dtype: str = "f32") -> Path:
-    from moebench.run import bundled_model_path
+    from moebench.bundled_model import bundled_model_path
 
     return gguf_path(bundled_model_path(), dtype)
 

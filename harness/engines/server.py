@@ -60,7 +60,7 @@ class Placeholders:
 
             return str(bundled_gguf_path())
         if name == "bundled_model":
-            from moebench.run import bundled_model_path
+            from moebench.bundled_model import bundled_model_path
 
             return str(bundled_model_path())
         return None
