@@ -8,6 +8,7 @@ tests/test_cli_help.py holds every registered command to that.
 
 import os
 import sys
+from contextlib import contextmanager
 
 import typer
 
@@ -88,28 +89,40 @@ def _fail(message: str) -> None:
 UNWRAPPED_COLUMNS = 1000
 
 
-def _whole_lines_without_a_terminal(argv: list[str]) -> None:
+@contextmanager
+def _whole_lines_without_a_terminal(argv: list[str]):
     """With no terminal on stdin, stdout or stderr (a log file, a pipe, CI), rich lays output out for
     80 columns and cuts longer lines, words and paths included, into pieces that grep and copy-paste
-    then miss; lines stay whole instead. Help keeps its 80-column layout; COLUMNS set by the user wins."""
-    if os.environ.get("COLUMNS") or not argv or "--help" in argv:
-        return
+    then miss; lines stay whole instead, for the command's duration. Help keeps its 80-column
+    layout; COLUMNS set by the user wins."""
+    wide = not (os.environ.get("COLUMNS") or not argv or "--help" in argv)
     for stream in (sys.stdin, sys.stdout, sys.stderr):
         try:
-            if stream is not None and stream.isatty():
-                return  # rich sizes its output to that terminal
+            if wide and stream is not None and stream.isatty():
+                wide = False  # rich sizes its output to that terminal
         except (AttributeError, ValueError):
             continue
+    if not wide:
+        yield
+        return
+    before = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(UNWRAPPED_COLUMNS)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = before
 
 
 def main() -> None:
     """Console entry point: usage, input and I/O errors become one line on stderr and exit code 2
     (exit 1 keeps its meaning: a failed gate or activation check); Ctrl-C exits 130."""
-    _whole_lines_without_a_terminal(sys.argv[1:])
     command = build_command()
     try:
-        code = command.main(args=sys.argv[1:], prog_name="moebench", standalone_mode=False)
+        with _whole_lines_without_a_terminal(sys.argv[1:]):
+            code = command.main(args=sys.argv[1:], prog_name="moebench", standalone_mode=False)
     except typer.TyperException as e:  # click's errors, as typer vendors them: bad usage
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `moebench`: its help, already printed
             sys.exit(2)

@@ -284,6 +284,8 @@ def _fitting_suite(args: dict):
 
     suite_obj = _load_run_suite(args)
     model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    if not model_path.is_dir():
+        return suite_obj  # the loader, next, says what is wrong with the path
     context = parse_model_config(model_path / "config.json").max_position_embeddings
     check_suite_fits(suite_obj, tokenizer_encoder(load_tokenizer(model_path)), args["max_new_tokens"], context,
                      model_path.name, run_hint(suite_obj))
