@@ -1,8 +1,9 @@
 """Where the MoE block gets expert weights from.
 
-`ResidentStore` holds every expert (budget 1.0). `PooledStore` holds only a budgeted fast pool per
-MoE layer (w13 [S, 2I, H], w2 [S, H, I] in the compute dtype, an expert -> slot map) and loads the
-rest from a slow tier (`moebench.engine.offload`: host memory or disk). Both answer the same call,
+`ResidentStore` (engine/resident_store.py) holds every expert (budget 1.0). `PooledStore` holds
+only a budgeted fast pool per MoE layer (w13 [S, 2I, H], w2 [S, H, I] in the store's dtype, an
+expert -> slot map) and loads the rest from a slow tier (`moebench.engine.offload`: host memory
+or disk). Both answer the same call,
 `fetch(layer, topk_ids) -> (w13, w2, ids remapped to rows of w13/w2)`, so the kernel never knows
 which store it runs on.
 
@@ -30,55 +31,11 @@ import numpy as np
 import torch
 
 from moebench.engine import memory
-from moebench.engine.offload import experts_in
+from moebench.engine.resident_store import ResidentStore, read_all_experts  # noqa: F401 (imported from here)
+from moebench.engine.store_base import STEP_KEYS, Counters, ExpertStore, dtype_name, host_ids, memory_evidence  # noqa: F401
 from moebench.errors import MoebenchError
 
 DEFAULT_DISK_READERS = 3
-STEP_KEYS = ("expert_hits", "expert_misses", "prefetch_issued", "prefetch_hits", "bytes_loaded", "stall_s")
-
-
-class ExpertStore:
-    def fetch(self, layer: int, topk_ids: torch.Tensor):
-        """-> (w13 pool, w2 pool, topk_ids remapped to pool slots)."""
-        raise NotImplementedError
-
-    def take_step(self) -> dict:
-        return {}
-
-    def evidence(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-class _Counters:
-    """Per-step counters (reset by take_step) plus run totals, both fed by the same `add`."""
-
-    def __init__(self, extra_total_keys=()):
-        self.step = dict.fromkeys(STEP_KEYS, 0)
-        self.step["stall_s"] = 0.0
-        self.total = dict(self.step)
-        for k in extra_total_keys:
-            self.total[k] = 0
-
-    def add(self, key: str, value) -> None:
-        if key in self.step:
-            self.step[key] += value
-        self.total[key] += value
-
-    def take_step(self) -> dict:
-        out = self.step
-        self.step = dict.fromkeys(STEP_KEYS, 0)
-        self.step["stall_s"] = 0.0
-        return out
-
-
-def host_ids(ids: torch.Tensor) -> np.ndarray:
-    """Expert ids as a numpy array: the store's and the prefetcher's work on a few ids per call is
-    done in numpy, whose calls cost ~0.1 us where a small torch call costs ~10 us inside a decode step
-    (its code is cold after the layer's kernel)."""
-    return ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
 
 
 class _NeverRaised(Exception):
@@ -110,74 +67,6 @@ def _ratio(a, b):
     return a / b if b else None
 
 
-class ResidentStore(ExpertStore):
-    """Every expert in the fast pool: every look-up is a hit, nothing is ever loaded.
-
-    A checkpoint loaded without its experts (`load_checkpoint(..., load_experts=False)`, for the disk
-    tier) gets them read from its files into the store's own buffers, which go with the store."""
-
-    def __init__(self, ckpt, budget=1.0, dtype: torch.dtype | None = None):
-        self.experts = {i: (w.w13, w.w2) for i, w in enumerate(ckpt.layers) if w.w13 is not None}
-        moe = [i for i in range(ckpt.config.num_layers) if ckpt.config.is_moe_layer(i)]
-        if moe and not self.experts:
-            self.experts = read_all_experts(ckpt, dtype or torch.float32)
-        elif dtype is not None and any(w13.dtype != dtype for w13, _ in self.experts.values()):
-            # converted once per checkpoint, where the loaded experts are
-            self.experts = experts_in(ckpt, dtype, next(iter(self.experts.values()))[0].device)
-        self.dtype = dtype
-        self.budget = budget
-        self.counters = _Counters()
-        self.rss = memory.PeakRss()
-        own = [w for pair in self.experts.values() for w in pair]
-        ckpt_experts = [w for layer in ckpt.layers for w in (layer.w13, layer.w2) if w is not None]
-        self._memory = {"expert_pool_bytes": memory.tensor_bytes(own),
-                        "host_copy_bytes": memory.tensor_bytes(ckpt_experts + own) - memory.tensor_bytes(own),
-                        "read_buffer_bytes": 0}
-
-    def memory(self) -> dict:
-        return _memory_evidence(self._memory, self.rss)
-
-    def fetch(self, layer, topk_ids):
-        w13, w2 = self.experts[layer]
-        self.count_hits(len(set(host_ids(topk_ids).ravel().tolist())))
-        return w13, w2, topk_ids
-
-    def count_hits(self, distinct_experts: int) -> None:
-        """Look-ups of so many distinct experts, made without `fetch` (a native decode step's layers,
-        MoeBlock.ran_natively): all hits."""
-        self.counters.add("expert_hits", distinct_experts)
-
-    def take_step(self):
-        return self.counters.take_step()
-
-    def evidence(self):
-        t = self.counters.total
-        return {"store": "resident", "expert_budget": self.budget, "expert_hits": t["expert_hits"],
-                "expert_dtype": _dtype_name(next(iter(self.experts.values()))[0].dtype) if self.experts else None,
-                "expert_misses": 0, "hit_rate": 1.0 if t["expert_hits"] else None, **self.memory()}
-
-
-def read_all_experts(ckpt, dtype: torch.dtype) -> dict:
-    """Every MoE layer's experts read from the checkpoint's files into new stacked buffers."""
-    from moebench.engine.offload import DiskTier
-
-    cfg = ckpt.config
-    tier = DiskTier(ckpt, readers=1)
-    try:
-        out = {}
-        for i in range(cfg.num_layers):
-            if not cfg.is_moe_layer(i):
-                continue
-            E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-            w13, w2 = memory.empty((E, 2 * I, H), dtype), memory.empty((E, H, I), dtype)
-            for e in range(E):
-                tier.load(i, e, w13[e], w2[e])
-            out[i] = (w13, w2)
-        return out
-    finally:
-        tier.close()
-
-
 def _held_elsewhere(ckpt, tier, own) -> dict:
     """Expert bytes held beside the store's own buffers: copies the checkpoint or the tier keep in
     memory (a loaded checkpoint's stacked experts, the host tier's copy, counted once where they are
@@ -187,17 +76,6 @@ def _held_elsewhere(ckpt, tier, own) -> dict:
     own_ptrs = {t.data_ptr() for t in own}
     held = [t for t in held if t.data_ptr() not in own_ptrs]
     return {"host_copy_bytes": memory.tensor_bytes(held)}
-
-
-def _memory_evidence(parts: dict, rss) -> dict:
-    """`expert_memory_bytes`: every expert byte the run holds in memory (fast pool or resident
-    experts, any host copy, read buffers); the process's peak RSS since the store was made."""
-    return {"expert_memory_bytes": sum(parts.values()), **parts,
-            "process_rss_peak_bytes": rss.peak(), "rss_peak_since_process_start": rss.since_start}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class _Pool:
@@ -309,7 +187,7 @@ class PooledStore(ExpertStore):
             self.executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-prefetch") if workers else None
             self.demand_executor = ThreadPoolExecutor(workers, thread_name_prefix="moebench-demand") if demand else None
         self.side_stream = torch.cuda.Stream() if self.cuda and workers else None
-        self.counters = _Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
+        self.counters = Counters(("lookups", "late_hits", "evictions", "overflow_calls", "cancelled",
                                    "predicted", "needed_predicted", "predicted_needed", "borrowed",
                                    "prefetch_no_room"))
         self.rss = memory.PeakRss()
@@ -317,7 +195,7 @@ class PooledStore(ExpertStore):
                         **_held_elsewhere(ckpt, tier, (self.w13, self.w2)), "read_buffer_bytes": buffers}
 
     def memory(self) -> dict:
-        return _memory_evidence(self._memory, self.rss)
+        return memory_evidence(self._memory, self.rss)
 
     # ------------------------------------------------------------------ loading
 
@@ -587,7 +465,7 @@ class PooledStore(ExpertStore):
             "store": self.store_name,
             "expert_budget": self.budget,
             "slots_per_layer": self.slots,
-            "expert_dtype": _dtype_name(self.dtype),
+            "expert_dtype": dtype_name(self.dtype),
             "num_experts": self.cfg.num_experts,
             "rows": self.rows,
             "rows_per_layer": self.quota,
