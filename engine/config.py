@@ -60,6 +60,9 @@ def _rope_theta(raw: dict) -> float:
 
 def read_config_json(path: Path) -> dict:
     """`config.json` as a dict; a missing or malformed file is a one-line error naming it."""
+    if not Path(path).parent.is_dir():
+        raise MoebenchError(f"{Path(path).parent}: not a directory (expected a checkpoint with config.json and "
+                            "*.safetensors)")
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
