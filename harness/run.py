@@ -365,7 +365,7 @@ def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
         model={"served_model": backend.served_model, "path": args["model"]},
         runtime={"engine": "openai", "max_new_tokens": args["max_new_tokens"],
                  "concurrency": args["concurrency"], "temperature": args["temperature"],
-                 "sampling": _sampling_record(args)},
+                 "sampling": _sampling_record(args, over_http=True)},
         engine=backend.describe())
 
 
@@ -445,12 +445,15 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     })
 
 
-def _sampling_record(args: dict) -> dict:
+def _sampling_record(args: dict, over_http: bool = False) -> dict:
     """How tokens were chosen and each request's seed made (the engine's evidence shows it drew)."""
     from moebench.engine.sampling import GREEDY, describe_sampling
     from moebench.measure import run_sampling
 
-    return describe_sampling(run_sampling(args) or GREEDY)
+    record = describe_sampling(run_sampling(args) or GREEDY)
+    if over_http and "sampler" in record:  # the server samples; moebench only sends each request's seed
+        record["sampler"] = "the server's own (each request's seed in OpenAI's seed field)"
+    return record
 
 
 def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
