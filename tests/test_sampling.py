@@ -295,3 +295,41 @@ def test_lm_eval_generation_settings_reach_the_sampler(suite, baselines):
             ask({"do_sample": False, "temperature": 0.7})
     finally:
         lm.close()
+
+
+# ----------------------------------------------------------------------------- moebench run
+
+
+def test_run_samples_with_per_trial_seeds_and_records_how(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from moebench.cli import main
+
+    def run(run_id, *extra):
+        monkeypatch.setattr(sys, "argv", ["moebench", "run", "--limit", "8", "--max-new-tokens", "24", "--warmup", "2",
+                                          "--out", str(tmp_path), "--run-id", run_id, *extra])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        assert exc.value.code in (0, None)
+        d = tmp_path / run_id
+        samples = {}
+        for line in (d / "samples.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            samples[(row["config"], row["trial"], row["item_id"])] = row["output"]
+        trials = [json.loads(line) for line in (d / "trials.jsonl").read_text().splitlines()]
+        return json.loads((d / "manifest.json").read_text()), samples, trials
+
+    manifest, samples, trials = run("hot", "--temperature", "2", "--top-k", "50", "--repeats", "2", "--ablate")
+    record = manifest["runtime"]["sampling"]
+    assert (record["mode"], record["temperature"], record["top_k"], record["run_seed"]) == ("sampling", 2.0, 50, 0)
+    assert all(t["evidence"]["sampling"]["sampled_positions"] > 0 and t["activation_ok"] for t in trials)
+    items = sorted({k[2] for k in samples})
+    configs = sorted({k[0] for k in samples})
+    for trial in (0, 1):  # every exact configuration draws the baseline's samples
+        assert all(samples[(c, trial, i)] == samples[("baseline", trial, i)] for c in configs for i in items)
+    # trials draw anew
+    assert sum(samples[("baseline", 0, i)] != samples[("baseline", 1, i)] for i in items) >= len(items) // 2
+    _, greedy, trials = run("cold")
+    assert all(t["evidence"]["sampling"]["sampled_positions"] == 0 for t in trials)
+    assert sum(greedy[("baseline", 0, i)] != samples[("baseline", 0, i)] for i in items) >= len(items) // 2
