@@ -42,6 +42,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        if self.top_p is None:
+            raise MoebenchError("top-p must be a number in (0, 1] (1: no cut)")
         check_sampling(self.temperature, self.top_p, self.top_k)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise MoebenchError(f"a sampling seed must be an integer, got {self.seed!r}")
