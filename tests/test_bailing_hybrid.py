@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.bailing_hybrid import HybridTransformer, delta_rule_chunked, delta_rule_step, make_hybrid_cache
+from moebench.engine.bailing_hybrid import HybridTransformer, make_hybrid_cache
+from moebench.engine.kda import delta_rule_chunked, delta_rule_step
 from moebench.engine.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import OutOfBlocks
 from moebench.engine.model import build_forward_batch
