@@ -154,6 +154,11 @@ class RuntimeConfig:
     # native | chained | eager | auto: how a decode step runs its ops (engine/decode_path.py), an
     # axis of its own that no switch above changes
     decode_path: str = "auto"
+    # speculative decoding (engine/speculative.py): off | ngram, drafts per verify step, and the
+    # batch size above which a step runs without drafts (None: any)
+    speculative: str = "off"
+    spec_tokens: int = 4
+    spec_max_batch: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -169,6 +174,9 @@ class RuntimeConfig:
             # the MoE op inside the one C++ call is the fused kernel, and no prefetch hook runs in it
             raise MoebenchError(f"decode path 'native' cannot run with kernel={self.kernel}, prefetch={self.prefetch}: "
                                 "it needs kernel=fused and prefetch=off (use --decode-path chained)")
+        from moebench.engine.speculative import check_spec
+
+        check_spec(self.speculative, self.spec_tokens, self.spec_max_batch)
         if self.device not in ("cpu", "cuda"):
             raise MoebenchError(f"unknown device '{self.device}' (choose cpu or cuda)")
         if self.batch_size < 1:

@@ -19,6 +19,7 @@ from moebench.engine.routing_stats import RoutingStats
 from moebench.engine.sampling import sample_token_ids
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
+from moebench.engine.speculative import make_speculator
 from moebench.errors import MoebenchError
 from moebench.engine.decode_path import step_threads
 
@@ -141,20 +142,34 @@ class Engine:
         return EngineSession(self, blocks, on_complete, time.perf_counter())
 
     def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
-              step_start, sampling_counts=None):
+              step_start, sampling_counts=None, speculator=None):
         rt = self.runtime
         new_tokens = [_new_token_ids(s) for s in seqs]
         in_prefill = [s.in_prefill for s in seqs]
         for s in seqs:
             block_manager.ensure_capacity(s.block_table, s.num_tokens)
-        batch = build_forward_batch(new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs],
-                                    rt.kv_block_size, rt.device, self.cfg.sliding_window, rt.torch_dtype)
+        # speculative decoding (engine/speculative.py): a verifying sequence's drafts are rows of their own
+        drafts = speculator.plan(seqs, new_tokens, block_manager) if speculator else None
+        verify = bool(drafts) and any(drafts)
+        if verify:
+            rows, cached, tables, lens = speculator.rows(seqs, new_tokens, drafts)
+            if hasattr(scheduler, "tokens_ran"):
+                scheduler.tokens_ran(lens)
+        else:
+            rows, cached, tables = new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs]
+        batch = build_forward_batch(rows, cached, tables, rt.kv_block_size, rt.device, self.cfg.sliding_window,
+                                    rt.torch_dtype)
         start = time.perf_counter()
         # on a decode path with the step's thread pool, a decode step's parallel work runs on it and
         # torch's own on one thread, whichever the kernel (engine/decode_path.py)
         with step_threads(model, batch.max_q == 1):
             logits = model.forward(batch, kv)
-            next_ids = self._select_tokens(seqs, logits, sampling_counts)
+            if verify:
+                emitted = speculator.select(seqs, logits, drafts, sampling_counts, greedy_token_ids)
+            else:
+                emitted = [[t] for t in self._select_tokens(seqs, logits, sampling_counts)]
+                if speculator and not all(in_prefill):
+                    speculator.plain_decode_steps += 1
         if rt.device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()
@@ -162,11 +177,21 @@ class Engine:
 
         routing = stats.take_step()
         callbacks_s = 0.0  # the caller's own work (writing samples) is not the engine's
-        for s, tokens, tok in zip(seqs, new_tokens, next_ids):
-            s.num_cached += len(tokens)
-            s.output_ids.append(tok)
-            s.token_times.append(end - s.arrival)
-            reason = self._finish_reason(s, tok)
+        decode_emitted = 0
+        for s, tokens, picks, draft, prefill in zip(seqs, new_tokens, emitted, drafts or [()] * len(seqs), in_prefill):
+            # the K/V kept: the step's tokens but the rejected drafts (theirs stay past num_cached,
+            # outside the context, and are overwritten); the newest pick's is the next step's to write
+            s.num_cached += len(tokens) + len(picks) - 1
+            decode_emitted += 0 if prefill else len(picks)
+            reason = None
+            for tok in picks:
+                s.output_ids.append(tok)
+                s.token_times.append(end - s.arrival)
+                reason = self._finish_reason(s, tok)
+                if reason:
+                    break
+            if verify and not reason:
+                speculator.rollback(s, block_manager)
             if reason:
                 s.finish_reason = reason
                 scheduler.finish(s)
@@ -184,13 +209,14 @@ class Engine:
             "step": index,
             "phase": phase,
             "batch_size": len(seqs),
-            "num_tokens": sum(len(t) for t in new_tokens),
-            "decode_tokens": len(seqs) - n_prefill,
+            "num_tokens": sum(len(t) for t in new_tokens) + sum(map(len, drafts or ())),
+            "decode_tokens": decode_emitted,  # tokens emitted (accepted drafts included), not positions verified
             "duration_s": time.perf_counter() - step_start - callbacks_s,
             "forward_s": forward_s,
             **routing,
             **scheduler.take_step(),
             **store.take_step(),
+            **(speculator.take_step() if speculator else {}),
         }
         record["bytes_read"] = self._bytes_read(stats_experts=routing, seqs=seqs)
         return record
@@ -293,6 +319,7 @@ class EngineSession:
         # temperature reached the sampler
         self.sampling_counts = {"sampled_positions": 0, "greedy_positions": 0, "settings": set()}
         self.sampling_requests = 0  # requests added that asked for sampling
+        self.speculator = make_speculator(rt)  # None: speculative decoding off
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -317,7 +344,7 @@ class EngineSession:
         self.last_batch = batch_seqs
         record = self.engine._step(self.num_steps, batch_seqs, self.model, self.kv, self.block_manager, self.stats,
                                    self.store, self.scheduler, self.completions, self.on_complete, self.arrival,
-                                   step_start, self.sampling_counts)
+                                   step_start, self.sampling_counts, self.speculator)
         self.num_steps += 1
         return record
 
@@ -373,6 +400,7 @@ class EngineSession:
             "sampling": {"sampled_positions": self.sampling_counts["sampled_positions"],
                          "greedy_positions": self.sampling_counts["greedy_positions"],
                          "settings": [list(s) for s in sorted(self.sampling_counts["settings"], key=repr)]},
+            "speculative": self.speculator.evidence() if self.speculator else {"method": "off"},
         }
 
     def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:
@@ -386,6 +414,8 @@ class EngineSession:
         errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype)
         if self.sampling_requests and not self.sampling_counts["sampled_positions"]:
             errors.append(f"sampling: {self.sampling_requests} requests asked for it and the engine drew no token")
+        if self.speculator:
+            errors += self.speculator.activation_errors()
         return errors
 
 

@@ -158,6 +158,12 @@ class ContinuousScheduler(Scheduler):
         self._last_batch = batch
         return batch
 
+    def tokens_ran(self, lens: list[int]) -> None:
+        """The tokens each sequence of the batch just scheduled ran, where a decode step ran more than
+        one (a speculative verify step: its last token and its drafts); admission reads the experts
+        of each one's last row."""
+        self._last_lens = list(lens)
+
     def _max_blocks(self, seq: Sequence) -> int:
         n = self._max_blocks_of.get(id(seq))
         if n is None:
