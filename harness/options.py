@@ -35,3 +35,18 @@ def check_sampling_options(temperature: float, top_p: Optional[float], top_k: Op
         raise MoebenchError(f"--top-k must be >= 1 (or unset), got {top_k}")
     if temperature == 0 and (top_p not in (None, 1) or top_k is not None):
         raise MoebenchError("--top-p and --top-k need --temperature > 0 (greedy decoding would ignore them)")
+
+
+SPECULATIVE_PANEL = "Speculative decoding"
+
+SPECULATIVE = typer.Option(
+    "off", "--speculative", rich_help_panel=SPECULATIVE_PANEL,
+    help="off, or ngram: prompt-lookup drafts (the longest recent 3..1-gram found earlier in prompt + output "
+         "proposes what followed it), verified in one decode forward. Exact: the emitted tokens are plain "
+         "decoding's, greedy or sampled (docs/speculative.md). With --ablate, the speculative axis of --axes.")
+SPEC_TOKENS = typer.Option(
+    4, "--spec-tokens", rich_help_panel=SPECULATIVE_PANEL, help="Draft tokens per sequence and verify step (1..16).")
+SPEC_MAX_BATCH = typer.Option(
+    None, "--spec-max-batch", rich_help_panel=SPECULATIVE_PANEL,
+    help="Steps with more sequences than this run without drafts (verification costs more than it saves "
+         "in large batches); default: any batch size.")

@@ -26,7 +26,7 @@ from moebench.bundled_model import BUNDLED_MODEL, bundled_model_path  # noqa: F4
 from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
-from moebench.options import TEMPERATURE, TOP_K, TOP_P, check_sampling_options
+from moebench.options import SPEC_MAX_BATCH, SPEC_TOKENS, SPECULATIVE, TEMPERATURE, TOP_K, TOP_P, check_sampling_options
 
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
 IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
@@ -100,6 +100,9 @@ def run_command(
     temperature: float = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
+    speculative: str = SPECULATIVE,
+    spec_tokens: int = SPEC_TOKENS,
+    spec_max_batch: Optional[int] = SPEC_MAX_BATCH,
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take.", rich_help_panel="Serving engines"),
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
@@ -119,6 +122,7 @@ def run_command(
             engine=engine, base_url=base_url, profiles=str(profiles) if profiles else None, profile=profile or None,
             served_model=served_model, tokenizer=str(tokenizer_dir) if tokenizer_dir else None, chat=chat,
             concurrency=concurrency, temperature=temperature, top_p=top_p, top_k=top_k,
+            speculative=speculative, spec_tokens=spec_tokens, spec_max_batch=spec_max_batch,
             request_timeout=request_timeout,
         )
     if args["repeats"] < 1:
@@ -147,6 +151,8 @@ def run_command(
             admission=args["admission"], expert_budget=_parse_budget(budget),
             offload_tier=resolve_tier(args["offload_tier"], args["device"]),
             decode_path=args.get("decode_path", "auto"),  # (a manifest from before the option: auto)
+            speculative=args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
+            spec_max_batch=args.get("spec_max_batch"),
         )
         for cfg in configs:
             _runtime_for(base_runtime, cfg)
@@ -330,6 +336,8 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
             raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
     if args.get("negative_control"):
         raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
+    if args.get("speculative", "off") != "off":
+        raise MoebenchError("--speculative is for the bundled runtime; a server's speculative settings come from --profiles")
     profile_file = load_profiles(Path(args["profiles"])) if args["profiles"] else None
     if profile_file is not None and args["profile"]:
         profile_file.select([profile_file.profiles[0].name, *args["profile"]])
@@ -427,6 +435,7 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     from moebench.engine.memory import huge_page_bytes
     from moebench.engine.offload import disk_read_mode
     from moebench.kernels import fused_backend
+    from moebench.engine.speculative import spec_settings
     from moebench.kernels.cpu_attention import decode_attention_backend
 
     return _manifest_of(args, run_dir, suite_obj, configs, model=_model_summary(ckpt), runtime={
@@ -442,6 +451,8 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         "fused_moe_backend": fused_backend(runtime.device),
         "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
         "sampling": _sampling_record(args),
+        # the run's speculative decoding (configs of the speculative axis name their own)
+        "speculative": spec_settings(runtime).to_dict(),
     })
 
 
