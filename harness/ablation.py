@@ -1,4 +1,10 @@
-"""The configuration matrix: which switch settings a run measures, and their names."""
+"""The configuration matrix: which switch settings a run measures, and their names.
+
+The three switches are exact optimizations (outputs must not change). Speculative decoding
+(`speculative`, an axis `--axes` may add) is exact too (engine/speculative.py: the emitted tokens
+are plain decoding's, greedy or sampled): its configs are named `speculative=ngram` (the baseline's
+switches) and `all+speculative=ngram` (every ablated switch on), and held to the identical-output
+claim like the switches."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ from dataclasses import dataclass, replace
 from moebench.errors import MoebenchError
 
 SWITCHES = ("kernel", "scheduler", "prefetch")
+SPECULATIVE_AXIS = "speculative"
+AXES = SWITCHES + (SPECULATIVE_AXIS,)
 OFF = {"kernel": "naive", "scheduler": "static", "prefetch": "off"}
 ON = {"kernel": "fused", "scheduler": "continuous", "prefetch": "lookahead"}
 
@@ -21,6 +29,7 @@ class ConfigPoint:
     quantize: str = "none"  # "int4" etc.: the approximate negative control, never an exact optimization
     # a reference config's own expert budget (the all-resident point of an offloaded run), else the run's
     expert_budget: str | None = None
+    speculative: str | None = None  # a point of the speculative axis: its method (None: the run's setting)
 
     @property
     def approximate(self) -> bool:
@@ -32,6 +41,8 @@ class ConfigPoint:
             d.update(quantize=self.quantize, approximate=True)
         if self.expert_budget is not None:
             d.update(expert_budget=self.expert_budget)
+        if self.speculative is not None:
+            d.update(speculative=self.speculative)
         return d
 
 
@@ -64,10 +75,35 @@ def point(kernel: str, scheduler: str, prefetch: str) -> ConfigPoint:
     return ConfigPoint(config_name(kernel, scheduler, prefetch), kernel, scheduler, prefetch)
 
 
-def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False) -> list[ConfigPoint]:
+def parse_axes(text: str | None) -> tuple[tuple[str, ...], bool]:
+    """`--axes kernel,speculative` -> (the switches to ablate, in SWITCHES order; whether speculative
+    decoding is an axis). None: the three switches, no speculation."""
+    if text is None:
+        return SWITCHES, False
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in names if a not in AXES]
+    if unknown or not names:
+        raise MoebenchError(f"--axes '{text}': choose a comma-separated list of {', '.join(AXES)}")
+    return tuple(s for s in SWITCHES if s in names), SPECULATIVE_AXIS in names
+
+
+def speculative_points(available: tuple[str, ...], method: str) -> list[ConfigPoint]:
+    """The speculative axis: the baseline's switches with `method`, and, where switches are ablated
+    too, every one of them on with it (what a user would deploy)."""
+    base = point(**OFF)
+    points = [replace(base, name=f"{SPECULATIVE_AXIS}={method}", speculative=method)]
+    if available:
+        on = point(**{s: (ON[s] if s in available else OFF[s]) for s in SWITCHES})
+        points.append(replace(on, name=f"{on.name}+{SPECULATIVE_AXIS}={method}", speculative=method))
+    return points
+
+
+def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False,
+                    speculative: str | None = None) -> list[ConfigPoint]:
     """Baseline, each available optimization alone, all of them stacked; or every combination.
 
     Stacked prefixes (kernel, kernel+scheduler) are added too, so the report can draw the waterfall.
+    `speculative` (a method) adds the speculative axis's points (speculative_points).
     """
     def build(on: set[str]) -> ConfigPoint:
         return point(**{s: (ON[s] if s in on else OFF[s]) for s in SWITCHES})
@@ -83,12 +119,16 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
         if p.name not in seen:
             seen.add(p.name)
             points.append(p)
+    if speculative is not None:
+        points += speculative_points(available, speculative)
     return points
 
 
 def runtime_for(base, cfg: ConfigPoint):
     """The RuntimeConfig one point of the matrix runs: the run's settings with its switches."""
     rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
+    if getattr(cfg, "speculative", None) is not None:  # a point of the speculative axis
+        rt = replace(rt, speculative=cfg.speculative)
     if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget
         rt = replace(rt, expert_budget=parse_budget(cfg.expert_budget))
     return rt

@@ -19,7 +19,8 @@ from typing import Optional
 
 import typer
 
-from moebench.ablation import OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, point, resident_reference
+from moebench.ablation import (OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, parse_axes, point,
+                               resident_reference)
 from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
 from moebench.ablation import runtime_for as _runtime_for
 from moebench.bundled_model import BUNDLED_MODEL, bundled_model_path  # noqa: F401 (imported from here)
@@ -74,6 +75,7 @@ def run_command(
     prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
     ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
     factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
+    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches."),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
     warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
     batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
@@ -115,7 +117,7 @@ def run_command(
         args = dict(
             model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
-            factorial=factorial, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            factorial=factorial, axes=axes, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,
@@ -151,7 +153,8 @@ def run_command(
             admission=args["admission"], expert_budget=_parse_budget(budget),
             offload_tier=resolve_tier(args["offload_tier"], args["device"]),
             decode_path=args.get("decode_path", "auto"),  # (a manifest from before the option: auto)
-            speculative=args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
+            # with --ablate the speculative axis's points set it themselves (ablation.runtime_for)
+            speculative="off" if args["ablate"] else args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
             spec_max_batch=args.get("spec_max_batch"),
         )
         for cfg in configs:
@@ -397,8 +400,15 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
     for switch in SWITCHES:
         if args[switch] not in IMPLEMENTED[switch]:
             raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
+    method = args.get("speculative", "off")
     if args["ablate"]:
-        return ablation_matrix(SWITCHES, factorial=args["factorial"])
+        switches, spec_axis = parse_axes(args.get("axes"))
+        if method != "off" and not spec_axis:
+            raise MoebenchError(f"--speculative {method} with --ablate: add speculative to --axes (the run then ablates {method})")
+        return ablation_matrix(switches, factorial=args["factorial"],
+                               speculative=(method if method != "off" else "ngram") if spec_axis else None)
+    if args.get("axes"):
+        raise MoebenchError("--axes needs --ablate")
     return [point(args["kernel"], args["scheduler"], args["prefetch"])]
 
 
@@ -435,7 +445,11 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     from moebench.engine.memory import huge_page_bytes
     from moebench.engine.offload import disk_read_mode
     from moebench.kernels import fused_backend
+    from dataclasses import replace
+
     from moebench.engine.speculative import spec_settings
+
+    axis = [c.speculative for c in configs if getattr(c, "speculative", None)]
     from moebench.kernels.cpu_attention import decode_attention_backend
 
     return _manifest_of(args, run_dir, suite_obj, configs, model=_model_summary(ckpt), runtime={
@@ -451,8 +465,9 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         "fused_moe_backend": fused_backend(runtime.device),
         "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
         "sampling": _sampling_record(args),
-        # the run's speculative decoding (configs of the speculative axis name their own)
-        "speculative": spec_settings(runtime).to_dict(),
+        # the run's speculative decoding, or the speculative axis's (its configs name their method)
+        "speculative": {**spec_settings(replace(runtime, speculative=axis[0]) if axis else runtime).to_dict(),
+                        **({"axis_configs": [c.name for c in configs if c.speculative]} if axis else {})},
     })
 
 

@@ -1,0 +1,108 @@
+"""What one speculative verify step costs against a plain decode step: the forward of B sequences with
+one row each (a plain decode step) against the forward of the same B sequences with K + 1 rows each
+(the last token and K drafts, engine/speculative.py), over the same paged KV cache at the same
+context length.
+
+    python benchmarks/spec_verify_cost.py --model bundled --batch 1 16 --k 2 4
+    python benchmarks/spec_verify_cost.py --model random-0.89b --batch 1 --k 4 --layers 8
+
+Prints the median milliseconds per forward of interleaved rounds and the ratio verify / plain. The
+break-even acceptance: a verify step emitting T tokens on average pays off when T > that ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def _load(model: str, layers: int | None, tmp: Path):
+    from moebench.engine import load_checkpoint
+
+    if model == "bundled":
+        from moebench.bundled_model import bundled_model_path
+
+        return load_checkpoint(bundled_model_path())
+    if model == "random-0.89b":
+        from moebench.bench_engine import DEFAULT_SHAPE
+        from moebench.random_models import make_random_qwen3_moe
+
+        shape = {**DEFAULT_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
+        return load_checkpoint(make_random_qwen3_moe(tmp / "model", shape, pad_token_id=0))
+    return load_checkpoint(Path(model))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="bundled", help="bundled, random-0.89b, or a checkpoint directory")
+    parser.add_argument("--layers", type=int, default=None, help="random-0.89b: override the layer count")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--k", type=int, nargs="+", default=[4])
+    parser.add_argument("--context", type=int, default=160, help="tokens already cached per sequence")
+    parser.add_argument("--kernel", default="fused")
+    parser.add_argument("--decode-path", default="auto")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    import torch
+
+    from moebench.engine import Engine, RuntimeConfig
+    from moebench.engine.decode_path import step_threads
+    from moebench.engine.model import build_forward_batch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="moebench-spec-cost-") as tmp:
+        ckpt = _load(args.model, args.layers, Path(tmp))
+        rt = RuntimeConfig(kernel=args.kernel, decode_path=args.decode_path, batch_size=max(args.batch))
+        engine = Engine(ckpt, None, rt)
+        session = engine.session(args.context + max(args.k) + 2)
+        g = torch.Generator().manual_seed(0)
+        vocab = ckpt.config.vocab_size
+        print(f"model {args.model}: {ckpt.config.num_layers} layers, hidden {ckpt.config.hidden_size}, vocab {vocab}; "
+              f"context {args.context}; decode path {session.model.decode_path.evidence().get('path')}")
+        bs = rt.kv_block_size
+        for b in args.batch:
+            tables = []
+            for _ in range(b):
+                table: list[int] = []
+                session.block_manager.ensure_capacity(table, args.context + max(args.k) + 1)
+                tables.append(table)
+            # the context's K/V: one prefill of random tokens per sequence
+            prompts = torch.randint(1, vocab, (b, args.context), generator=g).tolist()
+            session.model.forward(build_forward_batch(prompts, [0] * b, tables, bs, rt.device), session.kv)
+            last = torch.randint(1, vocab, (b, max(args.k) + 1), generator=g).tolist()
+
+            def batch_of(k):
+                rows, cached, tabs = [], [], []
+                for seq in range(b):
+                    for j in range(k + 1):
+                        rows.append([last[seq][j]])
+                        cached.append(args.context + j)
+                        tabs.append(tables[seq])
+                return build_forward_batch(rows, cached, tabs, bs, rt.device)
+
+            batches = {0: batch_of(0), **{k: batch_of(k) for k in args.k}}
+            times = {k: [] for k in batches}
+            for _ in range(args.rounds):
+                for k, fb in batches.items():
+                    with step_threads(session.model, True):  # as the engine runs a decode step
+                        session.model.forward(fb, session.kv)  # warm
+                        t = time.perf_counter()
+                        for _ in range(args.steps):
+                            session.model.forward(fb, session.kv)
+                        times[k].append((time.perf_counter() - t) / args.steps * 1e3)
+            plain = statistics.median(times[0])
+            cells = [f"plain {plain:.3f} ms"] + [f"K={k}: {statistics.median(times[k]):.3f} ms "
+                                                 f"({statistics.median(times[k]) / plain:.2f}x)" for k in args.k]
+            print(f"batch {b:>3}: " + ", ".join(cells))
+            for table in tables:
+                session.block_manager.free(table)
+        session.close()
+
+
+if __name__ == "__main__":
+    main()
