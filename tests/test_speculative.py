@@ -230,3 +230,42 @@ def test_acceptance_stops_at_the_first_rejection_and_emits_the_correction():
     assert out == [[3, 3]]
     assert spec.accepted_hist == [0, 1, 0, 0]
     assert spec.accepted_at == [1, 0, 0] and spec.drafted_at == [1, 1, 1]
+
+
+# ----------------------------------------------------------------------------- moebench run
+
+
+def test_run_ablates_the_speculative_axis_with_its_evidence(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from moebench.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["moebench", "run", "--ablate", "--axes", "kernel,speculative", "--limit", "8",
+                                      "--max-new-tokens", "48", "--warmup", "2", "--repeats", "1", "--temperature", "2",
+                                      "--spec-tokens", "3", "--offload-tier", "host", "--out", str(tmp_path),
+                                      "--run-id", "spec"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code in (0, None)
+    d = tmp_path / "spec"
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert [c["name"] for c in manifest["configs"]] == ["baseline", "kernel", "speculative=ngram",
+                                                         "kernel+speculative=ngram"]
+    record = manifest["runtime"]["speculative"]
+    assert (record["method"], record["tokens"], record["axis_configs"]) == (
+        "ngram", 3, ["speculative=ngram", "kernel+speculative=ngram"])
+    trials = {t["config"]: t for t in map(json.loads, (d / "trials.jsonl").read_text().splitlines())}
+    for name, t in trials.items():
+        ev = t["evidence"]["speculative"]
+        assert t["activation_ok"]
+        assert (ev["method"] == "off") == ("speculative" not in name)
+        if "speculative" in name:
+            assert ev["tokens"] == 3 and ev["accepted"] > 0 and len(ev["acceptance_by_position"]) == 3
+    samples = {}
+    for row in map(json.loads, (d / "samples.jsonl").read_text().splitlines()):
+        samples.setdefault(row["config"], {})[row["item_id"]] = row["output"]
+    assert all(samples[c] == samples["baseline"] for c in samples)  # sampled at T 2, identical
+    summary = {c["name"]: c for c in json.loads((d / "summary.json").read_text())["configs"]}
+    spec = summary["speculative=ngram"]["activation"]["evidence"]["speculative"]
+    assert spec["tokens_per_verify"] > 1 and spec["acceptance_by_position"][0] > 0
