@@ -319,7 +319,7 @@ class EngineSession:
         # temperature reached the sampler
         self.sampling_counts = {"sampled_positions": 0, "greedy_positions": 0, "settings": set()}
         self.sampling_requests = 0  # requests added that asked for sampling
-        self.speculator = make_speculator(rt)  # None: speculative decoding off
+        self.speculator = make_speculator(rt, cfg)  # None: speculative decoding off
 
     @property
     def kv_capacity_tokens(self) -> int:

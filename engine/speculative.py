@@ -241,9 +241,21 @@ class Speculator:
         return []
 
 
-def make_speculator(runtime) -> Speculator | None:
+# families whose per-sequence state is the paged KV cache alone, which num_cached rolls back; a
+# recurrent state (bailing_hybrid's KDA) would be advanced by rejected drafts with no way back
+ROLLBACK_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def make_speculator(runtime, cfg=None) -> Speculator | None:
     s = spec_settings(runtime)
-    return Speculator(s) if s.on else None
+    if not s.on:
+        return None
+    family = getattr(cfg, "family", None)
+    if cfg is not None and family not in ROLLBACK_FAMILIES:
+        raise MoebenchError(f"--speculative {s.method}: a {family} model keeps per-sequence state besides the KV "
+                            "cache that rejected drafts would advance and nothing rolls back; speculative decoding "
+                            f"runs on {', '.join(ROLLBACK_FAMILIES)} models")
+    return Speculator(s)
 
 
 def spec_settings(runtime) -> SpecSettings:

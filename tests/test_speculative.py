@@ -171,6 +171,21 @@ def test_bad_settings_are_refused():
             RuntimeConfig(**bad)
 
 
+def test_a_model_with_recurrent_state_is_refused(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_bailing import make_tiny_bailing
+
+    from moebench.engine import load_checkpoint
+
+    ckpt = load_checkpoint(make_tiny_bailing(tmp_path / "ling"))
+    engine = Engine(ckpt, None, RuntimeConfig(speculative="ngram"))
+    with pytest.raises(MoebenchError, match="rolls back"):
+        engine.generate([Request("a", "")], prompt_ids=[[1, 2, 3, 1, 2]])
+
+
 def test_ngram_draft_proposes_what_followed_the_longest_recent_suffix():
     assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]
     assert ngram_draft([5, 1, 2, 7, 1, 2, 8, 4, 1, 2], 2) == [8, 4]  # the most recent earlier match
