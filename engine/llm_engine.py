@@ -151,8 +151,10 @@ class Engine:
         # speculative decoding (engine/speculative.py): a verifying sequence's drafts are rows of their own
         drafts = speculator.plan(seqs, new_tokens, block_manager) if speculator else None
         verify = bool(drafts) and any(drafts)
+        reread = 0  # context tokens a verify step's draft rows read again (row j: num_cached + j + 1)
         if verify:
             rows, cached, tables, lens = speculator.rows(seqs, new_tokens, drafts)
+            reread = sum(len(d) * (s.num_cached + 1) + len(d) * (len(d) + 1) // 2 for s, d in zip(seqs, drafts))
             if hasattr(scheduler, "tokens_ran"):
                 scheduler.tokens_ran(lens)
         else:
@@ -218,7 +220,7 @@ class Engine:
             **store.take_step(),
             **(speculator.take_step() if speculator else {}),
         }
-        record["bytes_read"] = self._bytes_read(stats_experts=routing, seqs=seqs)
+        record["bytes_read"] = self._bytes_read(stats_experts=routing, seqs=seqs, reread_tokens=reread)
         return record
 
     @staticmethod
@@ -239,7 +241,7 @@ class Engine:
             counts["greedy_positions"] += len(seqs) - drawn
         return ids
 
-    def _bytes_read(self, stats_experts: dict, seqs) -> int:
+    def _bytes_read(self, stats_experts: dict, seqs, reread_tokens: int = 0) -> int:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
         cfg = self.cfg
         if self._read_sizes is None:  # per-model constants, worked out once
@@ -249,7 +251,7 @@ class Engine:
             self._read_sizes = (elt, moe_layers, other)
         elt, moe_layers, other = self._read_sizes
         expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * elt
-        kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs)
+        kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) + reread_tokens
         kv = cache_bytes_per_step(cfg, kv_tokens, len(seqs), elt)
         return int(expert_bytes + other + kv)
 
