@@ -133,6 +133,7 @@ KERNELS = ("naive", "fused")
 SCHEDULERS = ("static", "continuous")
 PREFETCHERS = ("off", "lookahead")
 DECODE_PATHS = ("auto", "native", "chained", "eager")  # engine/decode_path.py CHOICES
+LM_HEADS = ("f32", "bf16", "int8", "fp8")  # the LM head's weight precision (engine/quantize.py); approximate
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class RuntimeConfig:
     speculative: str = "off"
     spec_tokens: int = 4
     spec_max_batch: int | None = None
+    lm_head: str = "f32"  # f32: the checkpoint's own head; bf16, int8, fp8 change answers (approximate)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -167,6 +169,7 @@ class RuntimeConfig:
             ("scheduler", self.scheduler, SCHEDULERS),
             ("prefetch", self.prefetch, PREFETCHERS),
             ("decode path", self.decode_path, DECODE_PATHS),
+            ("LM head precision", self.lm_head, LM_HEADS),
         ):
             if value not in allowed:
                 raise MoebenchError(f"unknown {name} '{value}' (choose from: {', '.join(allowed)})")

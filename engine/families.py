@@ -65,6 +65,10 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
         # one state slot per request the scheduler may keep resident, as the KV blocks are sized
         block_manager, cache = make_hybrid_cache(ckpt, num_kv_blocks, runtime.kv_block_size,
                                                  max_resident(runtime) + 1, runtime.torch_dtype, runtime.device)
+        if runtime.lm_head != "f32":
+            from moebench.errors import MoebenchError
+
+            raise MoebenchError(f"--lm-head {runtime.lm_head}: the {cfg.family} model runs its LM head in float32 only")
         return block_manager, cache, HybridTransformer(ckpt, None)
     from moebench.engine.kv_cache import BlockManager, KVCache
     from moebench.engine.model import MoeTransformer
@@ -75,7 +79,7 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
     block_manager = BlockManager(num_kv_blocks, runtime.kv_block_size)
     kv = KVCache(cfg.num_layers, num_kv_blocks, runtime.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                  runtime.torch_dtype, runtime.device)
-    model = MoeTransformer(ckpt, None)
+    model = MoeTransformer(ckpt, None, lm_head=runtime.lm_head)
     # the one place a session's decode path is decided (engine/decode_path.py)
     resident = store_layout(ckpt, runtime)[1] >= cfg.num_experts
     model.decode_path = decode_path.decide(runtime.decode_path, model, runtime, experts_resident=resident)

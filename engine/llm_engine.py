@@ -248,6 +248,11 @@ class Engine:
             elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
             moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             other = non_expert_bytes_per_step(self.ckpt, elt)
+            if self.runtime.lm_head != "f32":  # the head read in its own precision (--lm-head)
+                from moebench.engine.quantize import lm_head_bytes
+
+                V, H = cfg.vocab_size, cfg.hidden_size
+                other += lm_head_bytes(V, H, self.runtime.lm_head, elt) - V * H * elt
             self._read_sizes = (elt, moe_layers, other)
         elt, moe_layers, other = self._read_sizes
         expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * elt
@@ -403,6 +408,8 @@ class EngineSession:
                          "greedy_positions": self.sampling_counts["greedy_positions"],
                          "settings": [list(s) for s in sorted(self.sampling_counts["settings"], key=repr)]},
             "speculative": self.speculator.evidence() if self.speculator else {"method": "off"},
+            # the LM head's precision and what its kernel streamed, by weight dtype (engine/model.py)
+            **({"lm_head": self.model.lm_head_evidence()} if hasattr(self.model, "lm_head_evidence") else {}),
         }
 
     def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:
@@ -418,6 +425,10 @@ class EngineSession:
             errors.append(f"sampling: {self.sampling_requests} requests asked for it and the engine drew no token")
         if self.speculator:
             errors += self.speculator.activation_errors()
+        if rt.lm_head != "f32":
+            from moebench.engine.model import lm_head_errors
+
+            errors += lm_head_errors(evidence.get("lm_head"), rt.device)
         return errors
 
 

@@ -171,7 +171,9 @@ class MoeTransformer:
     step's few rows (qkv, output, router, LM head) go through `kernels.cpu_dense.linear` on both
     paths: a streaming kernel on the step's thread pool (F.linear to float32 rounding)."""
 
-    def __init__(self, ckpt: Checkpoint, moe_block):
+    def __init__(self, ckpt: Checkpoint, moe_block, lm_head: str = "f32"):
+        from moebench.engine.quantize import lm_head_for
+
         self.ckpt = ckpt
         self.cfg = ckpt.config
         self.moe_block = moe_block
@@ -193,8 +195,14 @@ class MoeTransformer:
         # decode steps by how their layers ran: all in one native call, or one by one (activation evidence)
         self.decode_steps: dict[str, int] = {}
         self._native_layers = None  # DecodeLayers, False where it does not apply, None until the first decode step
+        # the LM head in the precision asked for (--lm-head: f32 is the checkpoint's own; bf16, or int8 /
+        # fp8 with a scale per row, an approximate optimization) and what the kernel streamed of it so
+        # far in this process, the start of this model's activation evidence (lm_head_evidence)
+        self.lm_head_dtype = lm_head
+        self.head_weight, self.head_scale = lm_head_for(ckpt, lm_head)
+        self._head_counts_start = self._head_counts()
         # the native call ends with the LM head where the kernel streams it (its logits are returned)
-        self._native_lm_head = cpu_dense.weight_streams(ckpt.lm_head)
+        self._native_lm_head = cpu_dense.head_streams(self.head_weight, self.head_scale)
         self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode")
                                  and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
                                  and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
@@ -309,7 +317,8 @@ class MoeTransformer:
             [w.post_attention_norm for w in layers], [w.router for w in layers], [experts[i][0] for i in range(len(layers))],
             [experts[i][1] for i in range(len(layers))], [w.input_norm for w in layers[1:]] + [self.ckpt.final_norm],
             cfg.rms_norm_eps, self.scale, cfg.sliding_window or 0, cfg.num_heads, cfg.top_k, cfg.norm_topk_prob,
-            self.ckpt.embed, layers[0].input_norm, self.ckpt.lm_head if self._native_lm_head else None)
+            self.ckpt.embed, layers[0].input_norm, self.head_weight if self._native_lm_head else None,
+            self.head_scale if self._native_lm_head else None)
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
@@ -350,7 +359,7 @@ class MoeTransformer:
             if select:
                 h = h[batch.last_token_index]
             h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
-            return linear(h, self.ckpt.lm_head).float()
+            return self.logits(h)
 
         # The same with residual add + RMSNorm in one call, which adds into h in place (h is this
         # forward's own tensor, and whoever read it before, the prefetcher, is done with it). The
@@ -373,7 +382,7 @@ class MoeTransformer:
                 x = add_norm(h, self.dense_mlp(x, i), next_norm, eps)
         if select:
             x = x[batch.last_token_index]
-        return linear(x, self.ckpt.lm_head).float()
+        return self.logits(x)
 
     def native_decode_step(self, batch: ForwardBatch, kv: KVCache):
         """DecodeLayers where this step's layers run in one native call: a decode step of few float32
@@ -400,7 +409,32 @@ class MoeTransformer:
         cpu_dense.count_chained(3 * layers + int(self._native_lm_head))
         self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
         # every sequence's one new token: with the LM head, x is the logits already
-        return x if self._native_lm_head else linear(x, self.ckpt.lm_head).float()
+        return x if self._native_lm_head else self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head on the final norm's output: [rows, vocab] float32 (kernels/cpu_dense.lm_head)."""
+        return cpu_dense.lm_head(x, self.head_weight, self.head_scale)
+
+    def _head_counts(self) -> dict:
+        # the extension's counters where this model's steps may use it (a CPU model); a CUDA model's
+        # head runs in torch and only the torch counts apply
+        if self.ckpt.embed.device.type == "cpu":
+            return cpu_dense.lm_head_stats()
+        return {"kernel": {}, "torch": cpu_dense.lm_head_stats_torch()}
+
+    def lm_head_evidence(self) -> dict:
+        """The LM head's precision asked for, and what ran since this model was built: per weight
+        dtype, the calls and bytes the extension's kernel streamed ("kernel", counted there), and the
+        calls that ran in torch ("torch"). Counters are per process: one engine runs at a time."""
+        now, start = self._head_counts(), self._head_counts_start
+        kernel = {}
+        for dtype, c in now["kernel"].items():
+            before = start["kernel"].get(dtype, {"calls": 0, "bytes": 0})
+            if c["calls"] > before["calls"]:
+                kernel[dtype] = {"calls": c["calls"] - before["calls"], "bytes": c["bytes"] - before["bytes"]}
+        torch_calls = {d: n - start["torch"].get(d, 0) for d, n in now["torch"].items() if n > start["torch"].get(d, 0)}
+        return {"precision": self.lm_head_dtype, "stored_dtype": str(self.head_weight.dtype).replace("torch.", ""),
+                "kernel": kernel, "torch": torch_calls}
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")
@@ -420,6 +454,37 @@ def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dty
         return []
     return [f"decode attention fell back to torch SDPA in {fell_back} of {sum(backends.values())} calls: the C++ "
             f"kernel did not run (set {DECODE_ATTENTION_ENV}=torch to accept that)"]
+
+
+STORED_DTYPES = {"f32": "float32", "bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
+
+
+def lm_head_errors(evidence: dict | None, device: str) -> list[str]:
+    """A low-precision LM head must be seen where it ran: on the CPU the kernel must have streamed
+    its rows in the stored dtype, and never float32 (that is the full-precision head: the option did
+    nothing); elsewhere (CUDA) torch must have run it in the stored dtype. A CPU head that ran only in
+    torch (no extension) is an error unless fallbacks are accepted (MOEBENCH_ALLOW_FALLBACK=1) or the
+    user switched the kernel off (MOEBENCH_DENSE_KERNEL=torch)."""
+    from moebench.engine.moe import fallback_allowed
+
+    precision = (evidence or {}).get("precision", "f32")
+    if precision == "f32":
+        return []
+    want = STORED_DTYPES[precision]
+    kernel, in_torch = evidence.get("kernel") or {}, evidence.get("torch") or {}
+    errors = []
+    if "float32" in kernel:
+        errors.append(f"--lm-head {precision}: the LM-head kernel streamed float32 in {kernel['float32']['calls']} "
+                      f"calls ({kernel['float32']['bytes']} bytes): the full-precision head ran")
+    if want not in kernel:
+        chose_torch = os.environ.get(cpu_dense.DISABLE_ENV, "kernel") == "torch"
+        if device != "cpu" or fallback_allowed() or chose_torch:
+            if want not in in_torch:
+                errors.append(f"--lm-head {precision}: no LM-head call ran with {want} weights")
+        else:
+            errors.append(f"--lm-head {precision}: the LM-head kernel never streamed {want} weights "
+                          f"(calls in torch: {in_torch or 'none'})")
+    return errors
 
 
 def cpu_step_ops():

@@ -52,3 +52,59 @@ def quantize_experts(ckpt, scheme: str, group_size: int = 32):
         out.layers.append(q)
     out.quantized = scheme
     return out
+
+
+# ---- the LM head's precision (--lm-head): an approximate optimization users make ----------------
+#
+# Weight-only: the head's rows are stored in a lower precision and the kernel widens them in
+# registers, accumulating in float32 (kernels/cpu_dense.lm_head). int8 and fp8 keep one float32
+# scale per output row (per vocabulary entry): a row's largest magnitude maps to the format's
+# largest value. Routers and every other weight stay as loaded.
+
+LM_HEAD_DTYPES = ("f32", "bf16", "int8", "fp8")
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def quantize_lm_head(w: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weights, row scale or None) for an LM head of `dtype`: f32 is `w` itself; bf16 rounds to
+    nearest; int8 rounds w / scale to nearest in [-127, 127]; fp8 casts w / scale to e4m3fn
+    (round to nearest even). w * 1 ~ weights[r] * scale[r] for every row r."""
+    if dtype not in LM_HEAD_DTYPES:
+        raise MoebenchError(f"unknown LM head precision '{dtype}' (choose from: {', '.join(LM_HEAD_DTYPES)})")
+    if dtype == "f32":
+        return w, None
+    wf = w.float()
+    if dtype == "bf16":
+        return wf.to(torch.bfloat16), None
+    top = INT8_MAX if dtype == "int8" else FP8_E4M3_MAX
+    # an all-zero row gets scale 1 (its values are 0 in any format)
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    scaled = wf / scale[:, None]
+    if dtype == "int8":
+        q = torch.clamp(torch.round(scaled), -INT8_MAX, INT8_MAX).to(torch.int8)
+    else:
+        q = torch.clamp(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def lm_head_for(ckpt, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The checkpoint's LM head in `dtype` (quantize_lm_head), made once per checkpoint and dtype and
+    placed in huge pages like the head it copies (a decode step streams it whole)."""
+    if dtype == "f32":
+        return ckpt.lm_head, None
+    made = ckpt.__dict__.setdefault("_lm_head_variants", {})
+    if dtype not in made:
+        from moebench.engine.memory import to_huge_pages
+
+        q, scale = quantize_lm_head(ckpt.lm_head, dtype)
+        made[dtype] = (to_huge_pages(q.contiguous()) if q.device.type == "cpu" else q.contiguous(), scale)
+    return made[dtype]
+
+
+def lm_head_bytes(vocab: int, hidden: int, dtype: str, full_element_size: int) -> int:
+    """Bytes one pass over an LM head of `dtype` reads: its weights (f32: the runtime's own element
+    size) and, for int8 and fp8, a float32 scale per row."""
+    per_value = {"f32": full_element_size, "bf16": 2, "int8": 1, "fp8": 1}[dtype]
+    return vocab * hidden * per_value + (4 * vocab if dtype in ("int8", "fp8") else 0)

@@ -4,7 +4,9 @@ The three switches are exact optimizations (outputs must not change). Speculativ
 (`speculative`, an axis `--axes` may add) is exact too (engine/speculative.py: the emitted tokens
 are plain decoding's, greedy or sampled): its configs are named `speculative=ngram` (the baseline's
 switches) and `all+speculative=ngram` (every ablated switch on), and held to the identical-output
-claim like the switches."""
+claim like the switches. The LM head's precision (`lm-head`, another axis) is approximate: its
+configs are named `lm-head=int8` (or `kernel+lm-head=int8` stacked on switches), marked approximate,
+and held to no identical-output claim, only to the accuracy verdicts."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from moebench.errors import MoebenchError
 
 SWITCHES = ("kernel", "scheduler", "prefetch")
 SPECULATIVE_AXIS = "speculative"
-AXES = SWITCHES + (SPECULATIVE_AXIS,)
+LM_HEAD_AXIS = "lm-head"
+AXES = SWITCHES + (SPECULATIVE_AXIS, LM_HEAD_AXIS)
+FULL_HEAD = "f32"
+LOW_PRECISION_HEADS = ("bf16", "int8", "fp8")  # what the lm-head axis ablates unless --lm-head names one
 OFF = {"kernel": "naive", "scheduler": "static", "prefetch": "off"}
 ON = {"kernel": "fused", "scheduler": "continuous", "prefetch": "lookahead"}
 
@@ -30,15 +35,20 @@ class ConfigPoint:
     # a reference config's own expert budget (the all-resident point of an offloaded run), else the run's
     expert_budget: str | None = None
     speculative: str | None = None  # a point of the speculative axis: its method (None: the run's setting)
+    lm_head: str = FULL_HEAD  # the LM head's weight precision: f32 (as loaded), bf16, int8, fp8
 
     @property
     def approximate(self) -> bool:
-        return self.quantize != "none"
+        return self.quantize != "none" or self.lm_head != FULL_HEAD
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}
+        if self.quantize != "none":
+            d.update(quantize=self.quantize)
+        if self.lm_head != FULL_HEAD:
+            d.update(lm_head=self.lm_head)
         if self.approximate:
-            d.update(quantize=self.quantize, approximate=True)
+            d.update(approximate=True)
         if self.expert_budget is not None:
             d.update(expert_budget=self.expert_budget)
         if self.speculative is not None:
@@ -71,20 +81,23 @@ def config_name(kernel: str, scheduler: str, prefetch: str) -> str:
     return "+".join(on)
 
 
-def point(kernel: str, scheduler: str, prefetch: str) -> ConfigPoint:
-    return ConfigPoint(config_name(kernel, scheduler, prefetch), kernel, scheduler, prefetch)
+def point(kernel: str, scheduler: str, prefetch: str, lm_head: str = FULL_HEAD) -> ConfigPoint:
+    name = config_name(kernel, scheduler, prefetch)
+    if lm_head != FULL_HEAD:
+        name = f"{LM_HEAD_AXIS}={lm_head}" if name == "baseline" else f"{name}+{LM_HEAD_AXIS}={lm_head}"
+    return ConfigPoint(name, kernel, scheduler, prefetch, lm_head=lm_head)
 
 
-def parse_axes(text: str | None) -> tuple[tuple[str, ...], bool]:
-    """`--axes kernel,speculative` -> (the switches to ablate, in SWITCHES order; whether speculative
-    decoding is an axis). None: the three switches, no speculation."""
+def parse_axes(text: str | None) -> tuple[tuple[str, ...], frozenset[str]]:
+    """`--axes kernel,speculative,lm-head` -> (the switches to ablate, in SWITCHES order; the other axes
+    named: speculative, lm-head). None: the three switches, no other axis."""
     if text is None:
-        return SWITCHES, False
+        return SWITCHES, frozenset()
     names = [a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in names if a not in AXES]
     if unknown or not names:
         raise MoebenchError(f"--axes '{text}': choose a comma-separated list of {', '.join(AXES)}")
-    return tuple(s for s in SWITCHES if s in names), SPECULATIVE_AXIS in names
+    return tuple(s for s in SWITCHES if s in names), frozenset(a for a in names if a not in SWITCHES)
 
 
 def speculative_points(available: tuple[str, ...], method: str) -> list[ConfigPoint]:
@@ -99,11 +112,13 @@ def speculative_points(available: tuple[str, ...], method: str) -> list[ConfigPo
 
 
 def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False,
-                    speculative: str | None = None) -> list[ConfigPoint]:
+                    speculative: str | None = None, lm_heads: tuple[str, ...] = ()) -> list[ConfigPoint]:
     """Baseline, each available optimization alone, all of them stacked; or every combination.
 
     Stacked prefixes (kernel, kernel+scheduler) are added too, so the report can draw the waterfall.
-    `speculative` (a method) adds the speculative axis's points (speculative_points).
+    `speculative` (a method) adds the speculative axis's points (speculative_points). Each precision
+    of `lm_heads` then adds the baseline with that LM head and, where switches are ablated too, every
+    available switch on with that LM head (what a user would deploy).
     """
     def build(on: set[str]) -> ConfigPoint:
         return point(**{s: (ON[s] if s in on else OFF[s]) for s in SWITCHES})
@@ -121,12 +136,17 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
             points.append(p)
     if speculative is not None:
         points += speculative_points(available, speculative)
+    for head in lm_heads:
+        points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], lm_head=head))
+        if available:
+            points.append(point(**{s: (ON[s] if s in available else OFF[s]) for s in SWITCHES}, lm_head=head))
     return points
 
 
 def runtime_for(base, cfg: ConfigPoint):
     """The RuntimeConfig one point of the matrix runs: the run's settings with its switches."""
-    rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch)
+    rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch,
+                 lm_head=getattr(cfg, "lm_head", FULL_HEAD))
     if getattr(cfg, "speculative", None) is not None:  # a point of the speculative axis
         rt = replace(rt, speculative=cfg.speculative)
     if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget

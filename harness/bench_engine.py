@@ -50,7 +50,7 @@ from moebench.errors import MoebenchError
 DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
                      intermediate_size=2048, vocab_size=32000)
-VS_CHOICES = ("transformers", "llama.cpp")
+VS_CHOICES = ("transformers", "llama.cpp", "moebench")
 MANIFEST_SCHEMA = "moebench.bench-engine/1"
 
 
@@ -58,12 +58,12 @@ MANIFEST_SCHEMA = "moebench.bench-engine/1"
 
 
 class BundledSide:
-    """The bundled runtime in this process."""
+    """The bundled runtime in this process (with an LM head in `lm_head` precision)."""
 
-    name = "moebench"
-
-    def __init__(self, ckpt, kernel: str, scheduler: str, decode_path: str = "native"):
+    def __init__(self, ckpt, kernel: str, scheduler: str, decode_path: str = "native", lm_head: str = "f32",
+                 name: str = "moebench"):
         self.ckpt, self.kernel, self.scheduler, self.decode_path = ckpt, kernel, scheduler, decode_path
+        self.lm_head, self.name = lm_head, name
         self.last_steps: list[dict] = []
         self.last_evidence: dict = {}
 
@@ -75,7 +75,8 @@ class BundledSide:
         torch.set_num_threads(threads)
         engine = Engine(self.ckpt, None, RuntimeConfig(kernel=self.kernel, scheduler=self.scheduler,
                                                        decode_path=self.decode_path,
-                                                       batch_size=len(prompts), max_new_tokens=new_tokens))
+                                                       batch_size=len(prompts), max_new_tokens=new_tokens,
+                                                       lm_head=self.lm_head))
         reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
         start = time.perf_counter()
         result = engine.generate(reqs, prompt_ids=prompts)
@@ -267,7 +268,7 @@ def _median(values: list[float]) -> float:
 
 def bench_engine_command(
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory; default: a random 0.89B Qwen3-MoE (8 layers, hidden 1024, 128 experts top-8, width 256, vocab 32000) written to a temp dir."),
-    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process) or llama.cpp (llama-server on the checkpoint exported to an F32 GGUF)."),
+    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process), llama.cpp (llama-server on the checkpoint exported to an F32 GGUF) or moebench (the runtime itself with its float32 LM head: with --lm-head, that head's speedup)."),
     batch: list[int] = typer.Option([1, 16], "--batch", help="Batch sizes to measure (repeat the option)."),
     threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread counts to measure (repeat the option); default: every core of the machine, the count that measured fastest for both engines at batch 1 and 16 (docs/cpu-decode.md)."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens per request."),
@@ -277,6 +278,7 @@ def bench_engine_command(
     kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
     scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
     decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
+    lm_head: str = typer.Option("f32", "--lm-head", help="The runtime's LM head precision: f32, bf16, int8 or fp8 (weight-only, float32 accumulation; approximate). --vs moebench times it against the float32 head."),
     hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
     hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the figures, settings and machine as JSON here (a manifest of the benchmark)."),
@@ -291,6 +293,10 @@ def bench_engine_command(
         raise MoebenchError("--repeats, --prompt-len and --batch must be >= 1")
     if kernel not in ("naive", "fused") or scheduler not in ("static", "continuous"):
         raise MoebenchError(f"--kernel {kernel!r} / --scheduler {scheduler!r}: expected naive|fused, static|continuous")
+    if lm_head not in ("f32", "bf16", "int8", "fp8"):
+        raise MoebenchError(f"--lm-head {lm_head!r}: choose from f32, bf16, int8, fp8")
+    if vs == "moebench" and lm_head == "f32":
+        raise MoebenchError("--vs moebench times the runtime against its float32 LM head: give --lm-head bf16, int8 or fp8")
     default_threads = threads is None or not threads
     thread_counts = sorted(set(threads)) if not default_threads else [default_thread_count()]
     if any(t < 1 for t in thread_counts):
@@ -326,7 +332,11 @@ def bench_engine_command(
         with console.status("transformers: greedy reference tokens"):
             hf = TransformersSide(path, hf_experts, hf_huge_pages)
             _, reference = hf.run(prompts, new_tokens, max(thread_counts))
-        if vs == "llama.cpp":
+        if vs == "moebench":  # the same runtime with the checkpoint's own (float32) LM head
+            del hf
+            gc.collect()
+            other = BundledSide(ckpt, kernel, scheduler, decode_path, "f32", name="moebench f32 head")
+        elif vs == "llama.cpp":
             del hf
             gc.collect()
             from moebench.export_gguf import export_gguf
@@ -336,7 +346,8 @@ def bench_engine_command(
             other = LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)
         else:
             other = hf
-        bundled = BundledSide(ckpt, kernel, scheduler, decode_path)
+        bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head,
+                              name="moebench" if lm_head == "f32" else f"moebench {lm_head} head")
 
         rows = []
         try:
@@ -345,7 +356,8 @@ def bench_engine_command(
                 readers: list[dict[str, float]] = []  # each probe's GB/s by reader, in the order taken
                 figures = {(b, side.name): {"rates": [], "bandwidths": [], "tokens": None}
                            for b in batches for side in (bundled, other)}
-                bytes_per_step: dict[int, list[float]] = {b: [] for b in batches}
+                # bytes a decode step reads, by the runtime's own step records (each side of --vs moebench its own)
+                bytes_per_step = {(b, side.name): [] for b in batches for side in (bundled, other)}
                 for b in batches:  # warm-up: first touches, the server's start
                     for side in (bundled, other):
                         side.run(prompts[:b], 2, t)
@@ -366,17 +378,20 @@ def bench_engine_command(
                             cell["rates"].append(decode_rate(b, new_tokens, short_s, long_s))
                             cell["bandwidths"].append(max(before, after))
                             cell["tokens"] = tokens
-                            if side is bundled:
-                                bytes_per_step[b].append(decode_bytes_per_step(side.last_steps))
+                            if isinstance(side, BundledSide):
+                                bytes_per_step[(b, side.name)].append(decode_bytes_per_step(side.last_steps))
                             before = after
                 best = max(max(r.values()) for r in readers)
                 for b in batches:
                     mine, theirs = figures[(b, bundled.name)], figures[(b, other.name)]
-                    step_bytes = _median(bytes_per_step[b])
+                    step_bytes = _median(bytes_per_step[(b, bundled.name)])
+                    # another engine reads what the runtime's step reads (the same checkpoint), unless
+                    # it is the runtime itself with another LM head
+                    other_bytes = _median(bytes_per_step[(b, other.name)]) if isinstance(other, BundledSide) else step_bytes
                     bandwidth = _median(mine["bandwidths"] + theirs["bandwidths"])
                     ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
 
-                    def engine_row(cell):
+                    def engine_row(cell, step_bytes):
                         fractions = [rate * step_bytes / (b * gb_s * 1e9)
                                      for rate, gb_s in zip(cell["rates"], cell["bandwidths"])]
                         return {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
@@ -391,7 +406,8 @@ def bench_engine_command(
                         "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
                         "best_bandwidth_gb_s": best, "bandwidth_by_reader_probes": readers,
                         "roofline_tok_s": b * bandwidth * 1e9 / step_bytes,
-                        "engines": {bundled.name: engine_row(mine), other.name: engine_row(theirs)},
+                        **({"other_bytes_per_step": other_bytes} if other_bytes != step_bytes else {}),
+                        "engines": {bundled.name: engine_row(mine, step_bytes), other.name: engine_row(theirs, other_bytes)},
                         "ratio_median": _median(ratios), "ratio_rounds": ratios,
                         "ratio_interval": round_interval(ratios),
                     })
@@ -407,7 +423,7 @@ def bench_engine_command(
                 "schema": MANIFEST_SCHEMA, "git_commit": commit, "versions": package_versions(),
                 "vs": vs, "model": str(model) if model else "random qwen3_moe",
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
-                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "batches": batches, "threads": thread_counts,
+                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
                 "machine": describe_machine(measure_bandwidth=False),
                 "runtime_evidence": bundled.last_evidence,

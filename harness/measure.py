@@ -86,7 +86,7 @@ class CheckpointVariants:
         self._quantized = {}
 
     def __call__(self, cfg):
-        if not getattr(cfg, "approximate", False):
+        if getattr(cfg, "quantize", "none") == "none":  # (an approximate LM head is the runtime's, not a copy)
             return self.base
         if cfg.quantize not in self._quantized:
             from moebench.engine.quantize import quantize_experts

@@ -19,12 +19,12 @@ from typing import Optional
 
 import typer
 
-from moebench.ablation import (OFF, SWITCHES, ConfigPoint, ablation_matrix, negative_control, parse_axes, point,
-                               resident_reference)
+from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, OFF, SPECULATIVE_AXIS, SWITCHES, ConfigPoint,
+                               ablation_matrix, negative_control, parse_axes, point, resident_reference)
 from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
 from moebench.ablation import runtime_for as _runtime_for
 from moebench.bundled_model import BUNDLED_MODEL, bundled_model_path  # noqa: F401 (imported from here)
-from moebench.engine.config import KERNELS, PREFETCHERS, SCHEDULERS
+from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
 from moebench.options import SPEC_MAX_BATCH, SPEC_TOKENS, SPECULATIVE, TEMPERATURE, TOP_K, TOP_P, check_sampling_options
@@ -75,7 +75,8 @@ def run_command(
     prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
     ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
     factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
-    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches."),
+    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim."),
+    lm_head: Optional[str] = typer.Option(None, "--lm-head", help="LM head weight precision: f32 (default, as loaded), bf16, int8 or fp8 (e4m3; int8 and fp8 with a scale per output row; float32 accumulation). Approximate: answers may change."),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
     warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
     batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
@@ -117,7 +118,7 @@ def run_command(
         args = dict(
             model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
-            factorial=factorial, axes=axes, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            factorial=factorial, axes=axes, lm_head=lm_head, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,
@@ -337,6 +338,8 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
     for switch in SWITCHES:
         if args[switch] != OFF[switch]:
             raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
+    if args.get("lm_head") or args.get("axes"):
+        raise MoebenchError("--lm-head and --axes are for the bundled runtime; a server's configurations come from --profiles")
     if args.get("negative_control"):
         raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
     if args.get("speculative", "off") != "off":
@@ -401,15 +404,23 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if args[switch] not in IMPLEMENTED[switch]:
             raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
     method = args.get("speculative", "off")
+    head = args.get("lm_head") or "f32"
+    if head not in LM_HEADS:
+        raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
     if args["ablate"]:
-        switches, spec_axis = parse_axes(args.get("axes"))
+        switches, others = parse_axes(args.get("axes"))
+        spec_axis, head_axis = SPECULATIVE_AXIS in others, LM_HEAD_AXIS in others
         if method != "off" and not spec_axis:
             raise MoebenchError(f"--speculative {method} with --ablate: add speculative to --axes (the run then ablates {method})")
+        if head != "f32" and not head_axis:
+            raise MoebenchError(f"--lm-head {head} with --ablate: add lm-head to --axes (the run then ablates {head})")
+        heads = ((head,) if head != "f32" else LOW_PRECISION_HEADS) if head_axis else ()
         return ablation_matrix(switches, factorial=args["factorial"],
-                               speculative=(method if method != "off" else "ngram") if spec_axis else None)
+                               speculative=(method if method != "off" else "ngram") if spec_axis else None,
+                               lm_heads=heads)
     if args.get("axes"):
         raise MoebenchError("--axes needs --ablate")
-    return [point(args["kernel"], args["scheduler"], args["prefetch"])]
+    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head)]
 
 
 def _load_model(path: Path, runtime):

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .cpu_moe import load_extension
 
-__all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
+__all__ = ["linear", "lm_head", "lm_head_stats", "head_streams", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
            "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained"]
 
 DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
@@ -66,6 +66,55 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return load_extension().dense_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     return F.linear(x, weight, bias)
+
+
+HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # what lm_head_linear streams
+BACKEND_TORCH_HEAD = "torch-upcast"  # an LM head whose rows the kernel did not stream: lm_head_reference
+
+_torch_head_calls: dict[str, int] = {}
+
+
+def head_streams(weight: Tensor, scale: Tensor | None) -> bool:
+    """Whether the extension's lm_head_linear streams this LM head: [vocab, K] rows contiguous, float32 or
+    bfloat16 without a scale, int8 or fp8 e4m3 with a contiguous float32 scale per row."""
+    if not (weight.dim() == 2 and weight.dtype in HEAD_DTYPES and weight.stride(-1) == 1):
+        return False
+    if weight.dtype in (torch.float32, torch.bfloat16):
+        return scale is None
+    return scale is not None and scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == weight.shape[0]
+
+
+def lm_head(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """Logits [N, vocab] float32 = x @ weight.T (times each row's scale, for an int8 or fp8 head).
+    A decode step's rows run in the extension's kernel, which widens the stored weights in registers
+    and accumulates in float32, and counts what it streamed (lm_head_stats); other rows run
+    `F.linear` (a float32 head, as `linear` would) or `reference.lm_head_reference` (a matmul on the
+    upcast weight), counted here as torch calls by weight dtype."""
+    if rows_stream(x) and head_streams(weight, scale) and dense_kernel_enabled():
+        _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + 1
+        return load_extension().lm_head_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, scale)
+    _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
+    name = str(weight.dtype).replace("torch.", "")
+    _torch_head_calls[name] = _torch_head_calls.get(name, 0) + 1
+    if scale is None and weight.dtype == x.dtype:
+        return F.linear(x, weight).float()
+    from .reference import lm_head_reference
+
+    return lm_head_reference(x, weight, scale)
+
+
+def lm_head_stats() -> dict:
+    """LM-head projections so far in this process: {"kernel": {weight dtype: {"calls", "bytes"}}} as the
+    extension counted them where they ran (bytes: the weights and row scales it streamed), and
+    {"torch": {weight dtype: calls}} for those that ran in torch (prefill rows, no extension)."""
+    ext = load_extension() if dense_kernel_enabled() else None
+    kernel = {k: dict(v) for k, v in ext.lm_head_stats().items()} if ext is not None and hasattr(ext, "lm_head_stats") else {}
+    return {"kernel": kernel, "torch": dict(_torch_head_calls)}
+
+
+def lm_head_stats_torch() -> dict:
+    """The torch part of lm_head_stats alone (loads no extension)."""
+    return dict(_torch_head_calls)
 
 
 def count_chained(calls: int) -> None:

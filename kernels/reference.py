@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index"]
+__all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index", "lm_head_reference"]
 
 
 def topk_lowest_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -115,3 +115,13 @@ def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
     for rank in range(1, k):
         out += pairs[:, rank]
     return out
+
+
+def lm_head_reference(x: Tensor, w: Tensor, scale: Tensor | None = None) -> Tensor:
+    """Logits [N, vocab] float32 of an LM head stored in low precision: x @ w.T with w upcast to float32
+    (exact for bfloat16, int8 and fp8 e4m3), then each column times its row's scale where there is
+    one, in that order, as the kernel (kernels/cpu_dense.lm_head) computes it: a row's dot product with
+    the stored values, then its scale. One matmul on the upcast weight (a float32 copy of the head
+    for the duration of the call)."""
+    out = x.float() @ w.float().T
+    return out * scale.float() if scale is not None else out

@@ -32,6 +32,27 @@ inline __m256 load8(const at::BFloat16* p) {
 inline float load1(const float* p) { return *p; }
 inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
 
+// int8 weights (an LM head quantized per output row: the caller multiplies each row's sum by its
+// scale): sign-extend 8 bytes to 32-bit lanes and convert.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+
+// fp8 e4m3fn weights (also row-scaled), widened in registers: this CPU has no fp8 arithmetic. The
+// byte's 7 exponent and mantissa bits are moved to the top of a float32's exponent and mantissa
+// fields and the sign to bit 31 (sign-extended, shifted by 20, masked), which reads as the same
+// value times 2^-120 (float32's exponent bias is 127, e4m3's 7); one multiply restores it. A
+// subnormal e4m3 value lands on a float32 subnormal and comes out exact too, unless the thread
+// treats denormal inputs as zero (DAZ, which torch leaves off). 0x7f / 0xff (e4m3fn's NaN) read
+// as 480: quantize_lm_head never writes them.
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(s, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+inline float load1(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p); }
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -153,8 +174,17 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 // conversion or dispatch costs tens of microseconds (docs/cpu-decode.md).
 
 // out [N, M] (contiguous) = x [N, K] (rows ldx apart) @ w.T (+ bias [M]); w as dense_linear takes it.
+// w may also be int8 or float8_e4m3fn (an LM head): then row_scale [M] multiplies each row's sum
+// (before the bias); float32 and bfloat16 weights take no scale (null).
 void dense_linear_into(const float* x, int64_t ldx, int64_t N, int64_t K, const torch::Tensor& w, const float* bias,
-                       float* out);
+                       float* out, const float* row_scale = nullptr);
+
+// Counts one LM-head projection that ran in the kernel with weight w (its dtype and the bytes of w
+// and its row scale): the activation evidence of a low-precision LM head (lm_head_stats).
+void count_lm_head(const torch::Tensor& w, bool scaled);
+// Refuses (TORCH_CHECK, naming `who`) an LM head the kernel cannot stream for K input columns, or a
+// row scale missing for int8 / fp8, given for float weights, or not contiguous float32 [rows].
+void check_lm_head(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale, int64_t K, const char* who);
 
 // h [N, D] += delta (when not null), then out [N, D] = RMSNorm(h) with weight w [D]; ms has N floats.
 void add_rms_norm_into(float* h, const float* delta, const float* w, int64_t N, int64_t D, float eps, float* out,

@@ -58,8 +58,9 @@ class DecodeLayers {
                std::vector<torch::Tensor> o_w, std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> router,
                std::vector<torch::Tensor> w13, std::vector<torch::Tensor> w2, std::vector<torch::Tensor> next_norm,
                double eps, double scale, int64_t window, int64_t num_heads, int64_t top_k, bool renormalize,
-               torch::Tensor embed, torch::Tensor first_norm, c10::optional<torch::Tensor> lm_head)
-      : embed_(std::move(embed)), lm_head_(std::move(lm_head)), eps_(eps), scale_(scale), window_(window),
+               torch::Tensor embed, torch::Tensor first_norm, c10::optional<torch::Tensor> lm_head,
+               c10::optional<torch::Tensor> lm_head_scale)
+      : embed_(std::move(embed)), lm_head_(std::move(lm_head)), lm_head_scale_(std::move(lm_head_scale)), eps_(eps), scale_(scale), window_(window),
         num_heads_(num_heads), top_k_(top_k), renormalize_(renormalize) {
     TORCH_CHECK(embed_.dim() == 2 && embed_.scalar_type() == torch::kFloat32 && embed_.is_contiguous(),
                 "DecodeLayers: the embedding table must be contiguous float32 [vocab, hidden]");
@@ -103,7 +104,9 @@ class DecodeLayers {
       l.next_norm = vector_of(next_norm[i], hidden_, "next_norm");
       layers_.push_back(std::move(l));
     }
-    if (lm_head_.has_value()) lm_head_ = matrix(*lm_head_, hidden_, "lm_head");
+    // the LM head may be low precision (int8 / fp8 with a row scale, or bfloat16): --lm-head
+    if (lm_head_.has_value()) check_lm_head(*lm_head_, lm_head_scale_, hidden_, "DecodeLayers");
+    else TORCH_CHECK(!(lm_head_scale_.has_value() && lm_head_scale_->defined()), "DecodeLayers: a row scale without an LM head");
   }
 
   // From the batch's token ids [B] (int64): their embeddings (the residual stream h) and the first
@@ -171,7 +174,10 @@ class DecodeLayers {
         distinct[i] = distinct_experts(layer_ids, B * top_k_, ws.seen);
       }
       if (lm_head_.has_value()) {
-        dense_linear_into(x, hidden_, B, hidden_, *lm_head_, nullptr, result.data_ptr<float>());
+        const bool scaled = lm_head_scale_.has_value() && lm_head_scale_->defined();
+        dense_linear_into(x, hidden_, B, hidden_, *lm_head_, nullptr, result.data_ptr<float>(),
+                          scaled ? lm_head_scale_->data_ptr<float>() : nullptr);
+        count_lm_head(*lm_head_, scaled);
         clock.lap(kLmHead);
       } else {
         std::memcpy(result.data_ptr<float>(), x, B * hidden_ * sizeof(float));
@@ -271,7 +277,7 @@ class DecodeLayers {
 
   std::vector<Layer> layers_;
   torch::Tensor embed_, first_norm_;
-  c10::optional<torch::Tensor> lm_head_;
+  c10::optional<torch::Tensor> lm_head_, lm_head_scale_;
   int64_t hidden_ = 0, experts_ = 0, qkv_rows_ = 0, attention_width_ = 0, head_dim_ = 0;
   mutable std::map<int64_t, Workspace> workspaces_;
   mutable double seconds_[kParts] = {};
@@ -290,9 +296,16 @@ void register_decode_layer(pybind11::module& m) {
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
                           double, int64_t, int64_t, int64_t, bool, torch::Tensor, torch::Tensor,
-                          c10::optional<torch::Tensor>>(),
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            "weights of each layer, then eps, scale, window, heads, top_k, renormalize, the embedding table, the "
-           "first layer's input norm and the LM head (or None: run returns the final norm's output)")
+           "first layer's input norm, the LM head (or None: run returns the final norm's output) and its row "
+           "scale (int8 / fp8 heads; else None)",
+           pybind11::arg("qkv_w"), pybind11::arg("qkv_b"), pybind11::arg("q_norm"), pybind11::arg("k_norm"),
+           pybind11::arg("o_w"), pybind11::arg("post_norm"), pybind11::arg("router"), pybind11::arg("w13"),
+           pybind11::arg("w2"), pybind11::arg("next_norm"), pybind11::arg("eps"), pybind11::arg("scale"),
+           pybind11::arg("window"), pybind11::arg("num_heads"), pybind11::arg("top_k"), pybind11::arg("renormalize"),
+           pybind11::arg("embed"), pybind11::arg("first_norm"), pybind11::arg("lm_head"),
+           pybind11::arg("lm_head_scale") = pybind11::none())
       .def("run", &DecodeLayers::run, "A decode step from its token ids: returns (the final norm's output, or the logits with an LM head; each "
            "layer's top-k ids; each layer's number of distinct experts)")
       .def("part_seconds", &DecodeLayers::part_seconds,

@@ -313,10 +313,16 @@ inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t k0, int6
 
 constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
 
-// out[t, r] = dot(x[t], w[r]) (+ bias[r]) for rows [r0, r1) and all N tokens.
+// A row's sum times its scale (row-scaled int8 / fp8 weights; none for float weights), plus its bias.
+inline float finish_row(float sum, const float* scale, const float* bias, int64_t r) {
+  if (scale != nullptr) sum *= scale[r];
+  return bias != nullptr ? sum + bias[r] : sum;
+}
+
+// out[t, r] = dot(x[t], w[r]) (* scale[r]) (+ bias[r]) for rows [r0, r1) and all N tokens.
 template <typename W>
 void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t N, const W* w, int64_t ldw,
-                const float* bias, int64_t K, float* out, int64_t ldo, int64_t r0, int64_t r1) {
+                const float* bias, const float* scale, int64_t K, float* out, int64_t ldo, int64_t r0, int64_t r1) {
   if (N <= kStreamedTokens) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
     float rows_out[kRowsPerItem * 3];
     const float* xs[3] = {x, x + ldx, x + 2 * ldx};
@@ -324,7 +330,8 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
                                                        K, rows_out);
     for (int64_t i = 0; i < r1 - r0; ++i)
       for (int64_t t = 0; t < N; ++t)
-        out[t * ldo + r0 + i] = rows_out[i * N + t] + (bias != nullptr ? bias[r0 + i] : 0.0f);
+        out[t * ldo + r0 + i] = scale != nullptr ? finish_row(rows_out[i * N + t], scale, bias, r0 + i)
+                                                 : rows_out[i * N + t] + (bias != nullptr ? bias[r0 + i] : 0.0f);
     return;
   }
   // 4 rows at a time, taken from four runs of the block read side by side (rows i, i + q, i + 2q,
@@ -354,7 +361,8 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
         for (int64_t t = 0; t < n; ++t) {
           float sum = hsum(acc[g * kSlab + t]);
           for (int64_t kk = K8; kk < K; ++kk) sum += load1(row + kk) * xs[t * ldx + kk];
-          out[(s0 + t) * ldo + r] = sum + (bias != nullptr ? bias[r] : 0.0f);
+          out[(s0 + t) * ldo + r] = scale != nullptr ? finish_row(sum, scale, bias, r)
+                                                     : sum + (bias != nullptr ? bias[r] : 0.0f);
         }
       }
     }
@@ -365,7 +373,7 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
       const float* token = x + t * ldx;
       float dot;
       moebench_cpu::dot_streams<moebench_cpu::RowSum::kDense, 1, 1>(&row, &token, K, &dot);
-      out[t * ldo + r] = dot + (bias != nullptr ? bias[r] : 0.0f);
+      out[t * ldo + r] = scale != nullptr ? finish_row(dot, scale, bias, r) : dot + (bias != nullptr ? bias[r] : 0.0f);
     }
   }
 }
@@ -395,7 +403,7 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 }
 
 void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const torch::Tensor& w, const float* bp,
-                       float* op) {
+                       float* op, const float* sp) {
   const int64_t M = w.size(0), ldw = w.stride(0);
   if (N == 0 || M == 0) return;
   const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
@@ -404,20 +412,91 @@ void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const
   const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
   std::unique_ptr<PackedTokens> packed;
   if (N > kStreamedTokens) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
-  if (w.scalar_type() == torch::kFloat32) {
-    const float* wp = w.data_ptr<float>();
+  auto run = [&](const auto* wp, const float* scale) {
     parallel_for(items, threads, [&](int64_t i) {
-      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, K, op, M, i * kRowsPerItem,
+      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, scale, K, op, M, i * kRowsPerItem,
                  std::min(M, (i + 1) * kRowsPerItem));
     });
-  } else {
-    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    parallel_for(items, threads, [&](int64_t i) {
-      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, K, op, M, i * kRowsPerItem,
-                 std::min(M, (i + 1) * kRowsPerItem));
-    });
+  };
+  switch (w.scalar_type()) {
+    case torch::kFloat32: run(w.data_ptr<float>(), nullptr); break;
+    case torch::kBFloat16: run(w.data_ptr<at::BFloat16>(), nullptr); break;
+    case torch::kChar: run(w.data_ptr<int8_t>(), sp); break;
+    case torch::kFloat8_e4m3fn: run(w.data_ptr<c10::Float8_e4m3fn>(), sp); break;
+    default: TORCH_CHECK(false, "dense_linear_into: unsupported weight dtype ", w.scalar_type());
   }
 }
+
+namespace {
+
+// LM-head projections that ran in the kernel, by weight dtype: calls and bytes streamed (weights
+// and row scales). Read by lm_head_stats; the engine reports the difference over a run.
+constexpr int kHeadDtypes = 4;
+constexpr const char* kHeadDtypeNames[kHeadDtypes] = {"float32", "bfloat16", "int8", "float8_e4m3fn"};
+std::atomic<int64_t> g_head_calls[kHeadDtypes];
+std::atomic<int64_t> g_head_bytes[kHeadDtypes];
+
+int head_dtype_index(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat32: return 0;
+    case torch::kBFloat16: return 1;
+    case torch::kChar: return 2;
+    case torch::kFloat8_e4m3fn: return 3;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+void count_lm_head(const torch::Tensor& w, bool scaled) {
+  const int i = head_dtype_index(w.scalar_type());
+  if (i < 0) return;
+  g_head_calls[i].fetch_add(1, std::memory_order_relaxed);
+  g_head_bytes[i].fetch_add(w.numel() * w.element_size() + (scaled ? w.size(0) * 4 : 0), std::memory_order_relaxed);
+}
+
+// The checks of an LM head's weight and scale (dense_linear's, widened to int8 / fp8 with a scale).
+void check_lm_head(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale, int64_t K, const char* who) {
+  const bool quantized = w.scalar_type() == torch::kChar || w.scalar_type() == torch::kFloat8_e4m3fn;
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && head_dtype_index(w.scalar_type()) >= 0 && w.size(1) == K, who,
+              ": the LM head must be float32, bfloat16, int8 or float8_e4m3fn [vocab, ", K, "] with contiguous rows");
+  const bool has_scale = scale.has_value() && scale->defined();
+  TORCH_CHECK(has_scale == quantized, who, ": an int8 or fp8 LM head takes a row scale, a float one none");
+  if (has_scale)
+    TORCH_CHECK(scale->dim() == 1 && scale->numel() == w.size(0) && scale->scalar_type() == torch::kFloat32 &&
+                    scale->is_contiguous(),
+                who, ": the row scale must be contiguous float32 [", w.size(0), "]");
+}
+
+namespace {
+
+// x [N, K] float32 @ the LM head's rows (float32, bfloat16, or int8 / fp8 times their row scale) ->
+// [N, vocab] float32, counted in lm_head_stats.
+torch::Tensor lm_head_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "lm_head_linear: x must be float32 [N, K] with contiguous rows");
+  check_lm_head(w, scale, x.size(1), "lm_head_linear");
+  const bool scaled = scale.has_value() && scale->defined();
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  dense_linear_into(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), w, nullptr, out.data_ptr<float>(),
+                    scaled ? scale->data_ptr<float>() : nullptr);
+  count_lm_head(w, scaled);
+  return out;
+}
+
+pybind11::dict lm_head_stats() {
+  pybind11::dict d;
+  for (int i = 0; i < kHeadDtypes; ++i) {
+    pybind11::dict one;
+    one["calls"] = g_head_calls[i].load(std::memory_order_relaxed);
+    one["bytes"] = g_head_bytes[i].load(std::memory_order_relaxed);
+    d[kHeadDtypeNames[i]] = one;
+  }
+  return d;
+}
+
+}  // namespace
 
 namespace {
 
@@ -474,6 +553,11 @@ void register_dense(pybind11::module& m) {
   m.def("pool_threads", &moebench_cpu::step_threads, "Threads the step's parallel sections use now");
   m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("lm_head_linear", &lm_head_linear,
+        "x @ w.T for an LM head of float32, bfloat16, or int8 / fp8 e4m3 weights with a float32 scale per row "
+        "(float32 accumulation), on the step's thread pool; counted in lm_head_stats",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale") = pybind11::none());
+  m.def("lm_head_stats", &lm_head_stats, "LM-head projections run in the kernel so far, by weight dtype: calls and bytes streamed");
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
         "spins not begun because the machine had more runnable threads than cores");
