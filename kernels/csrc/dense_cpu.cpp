@@ -336,8 +336,14 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
   }
   // 4 rows at a time, taken from four runs of the block read side by side (rows i, i + q, i + 2q,
   // i + 3q) as with fewer tokens, in chunks of K (see kChunk)
-  const int64_t q = (r1 - r0) / 4, K8 = K - K % 8, chunk = N >= kChunkFromTokens ? kChunk : std::max<int64_t>(K8, 8);
+  // int8 / fp8 rows: each chunk of the 4 rows is widened once into `wide` (4 KB, in L1) and every
+  // token group reads it there; widened in each group's FMA loop instead, it cost more than the
+  // multiplies. Chunks do not change the sums (above), so K is always taken in chunks here.
+  constexpr bool kWiden = std::is_same_v<W, int8_t> || std::is_same_v<W, c10::Float8_e4m3fn>;
+  const int64_t q = (r1 - r0) / 4, K8 = K - K % 8;
+  const int64_t chunk = kWiden || N >= kChunkFromTokens ? kChunk : std::max<int64_t>(K8, 8);
   alignas(32) __m256 acc[4 * kSlab];
+  alignas(32) float wide[kWiden ? 4 * kChunk : 8];
   for (int64_t i = 0; i < q; ++i) {
     const W* rows = w + (r0 + i) * ldw;
     for (int64_t s0 = 0; s0 < N; s0 += kSlab) {
@@ -351,6 +357,14 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
         const int64_t k1 = std::min(K8, k0 + chunk);
         int64_t t = 0;
         const float* xk = packed->vector(s0 / kSlab, k0 / 8, 0);
+        if constexpr (kWiden) {
+          for (int g = 0; g < 4; ++g)
+            for (int64_t k = k0; k < k1; k += 8) _mm256_store_ps(wide + g * kChunk + k - k0, load8(rows + g * q * ldw + k));
+          for (; t < threes; t += 3) tile_chunk<3>(wide, kChunk, xk + 8 * t, 0, k1 - k0, acc + t, kSlab);
+          for (; t + 2 <= n; t += 2) tile_chunk<2>(wide, kChunk, xk + 8 * t, 0, k1 - k0, acc + t, kSlab);
+          if (t < n) tile_chunk<1>(wide, kChunk, xk + 8 * t, 0, k1 - k0, acc + t, kSlab);
+          continue;
+        }
         for (; t < threes; t += 3) tile_chunk<3>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
         for (; t + 2 <= n; t += 2) tile_chunk<2>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
         if (t < n) tile_chunk<1>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
