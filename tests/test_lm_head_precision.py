@@ -67,6 +67,24 @@ def test_every_stored_value_is_widened_exactly(dtype):
         assert torch.equal(ext.lm_head_linear(eye[t : t + 3], w, scale), want[t : t + 3])
 
 
+@needs_ext
+def test_rows_beyond_a_decode_step_run_the_reference_and_are_counted_as_torch():
+    from moebench.kernels import cpu_dense
+
+    w, scale = _head(300, 64, "int8", seed=5)
+    x = torch.randn(cpu_dense.DENSE_MAX_ROWS + 8, 64)  # a prefill's rows (every position)
+    before, kernel_before = cpu_dense.lm_head_stats_torch().get("int8", 0), ext.lm_head_stats()["int8"]
+    assert torch.equal(cpu_dense.lm_head(x, w, scale), lm_head_reference(x, w, scale))
+    assert cpu_dense.lm_head_stats_torch()["int8"] == before + 1
+    assert ext.lm_head_stats()["int8"] == kernel_before
+    few = x[:4]
+    assert ((cpu_dense.lm_head(few, w, scale) - lm_head_reference(few, w, scale)).abs() <= _bound(few, w, scale)).all()
+    # counted where it ran: the int8 weights and a float32 scale per row
+    assert ext.lm_head_stats()["int8"] == {"calls": kernel_before["calls"] + 1,
+                                           "bytes": kernel_before["bytes"] + 300 * 64 + 4 * 300}
+    assert cpu_dense.lm_head_stats_torch()["int8"] == before + 1
+
+
 def test_quantizer_keeps_each_row_within_its_format():
     w = torch.randn(50, 70) * torch.linspace(0.01, 10, 50)[:, None]
     w[3] = 0  # an all-zero row
