@@ -380,8 +380,10 @@ def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFra
 
 
 def headline_config(summary: dict) -> str | None:
-    """The config a headline compares with the baseline: 'all', else the fastest other one."""
-    names = [c["name"] for c in summary["configs"] if c["name"] != summary["baseline"]]
+    """The config a headline compares with the baseline: 'all', else the fastest other one; an
+    approximate config (a negative control, a low-precision LM head) only where no exact one ran."""
+    others = [c for c in summary["configs"] if c["name"] != summary["baseline"]]
+    names = [c["name"] for c in others if not c.get("approximate")] or [c["name"] for c in others]
     if not names:
         return None
     if "all" in names:
