@@ -17,6 +17,10 @@ bfloat16 weights whose rows are contiguous; anything else (prefill, CUDA, other 
 extension) runs `F.linear`, which is faster for many rows. The result equals `F.linear` to float32
 rounding, not bit for bit (the sums run in another order). `MOEBENCH_DENSE_KERNEL=torch` keeps
 `F.linear` everywhere (for A/B measurements); `dense_backends()` counts the calls each one ran.
+
+The LM head goes through `lm_head(x, weight, scale)`: the same kernel, which also streams int8 and
+fp8 e4m3 heads with a float32 scale per row (--lm-head, docs/lm-head.md), widening them in
+registers, and counts what it streamed per weight dtype (`lm_head_stats`, activation evidence).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import Tensor
 
 from .cpu_moe import load_extension
 
-__all__ = ["linear", "lm_head", "lm_head_stats", "head_streams", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
+__all__ = ["linear", "lm_head", "lm_head_stats", "lm_head_stats_torch", "head_streams", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
            "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained"]
 
 DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
