@@ -244,6 +244,20 @@ def test_run_ablates_kernel_and_lm_head_and_records_the_evidence(tiny_model, dat
     assert any("lm-head=fp8" in r for r in rules)  # its accuracy is still judged
 
 
+@needs_ext
+def test_run_with_lm_head_alone_is_one_config(tiny_model, data, tmp_path, monkeypatch):
+    from moebench.fileio import read_jsonl
+
+    code = _run(monkeypatch, "--model", str(tiny_model), "--suite", "gsm8k", "--data", str(data), "--num-fewshot", "0",
+                "--lm-head", "int8", "--warmup", "1", "--max-new-tokens", "4", "--batch-size", "2",
+                "--out", str(tmp_path / "r"), "--run-id", "one")
+    assert code in (0, None)
+    manifest = json.loads((tmp_path / "r" / "one" / "manifest.json").read_text())
+    assert [c["name"] for c in manifest["configs"]] == ["lm-head=int8"]
+    (trial,) = read_jsonl(tmp_path / "r" / "one" / "trials.jsonl")
+    assert set(trial["evidence"]["lm_head"]["kernel"]) == {"int8"} and trial["activation_ok"]
+
+
 def test_bad_lm_head_options_are_one_line_errors(tiny_model, data, tmp_path, monkeypatch, capsys):
     common = ["--model", str(tiny_model), "--suite", "gsm8k", "--data", str(data), "--out", str(tmp_path / "r")]
     for extra, message in ((["--lm-head", "int4"], "--lm-head 'int4'"), (["--axes", "kernel"], "--axes needs --ablate"),
