@@ -168,8 +168,9 @@ class MoeTransformer:
     attention from the qkv projection to the output projection in one call, the router's top-k.
     Each computes exactly what the torch ops it replaces compute (tests compare bit for bit):
     softmax stays torch's own, the RMSNorm mean is summed in torch's order. Projections of a decode
-    step's few rows (qkv, output, router, LM head) go through `kernels.cpu_dense.linear` on both
-    paths: a streaming kernel on the step's thread pool (F.linear to float32 rounding)."""
+    step's few rows (qkv, output, router) go through `kernels.cpu_dense.linear` on both paths: a
+    streaming kernel on the step's thread pool (F.linear to float32 rounding); the LM head through
+    `cpu_dense.lm_head`, the same kernel, in the precision `lm_head` asks for (docs/lm-head.md)."""
 
     def __init__(self, ckpt: Checkpoint, moe_block, lm_head: str = "f32"):
         from moebench.engine.quantize import lm_head_for

@@ -34,8 +34,9 @@ from torch import Tensor
 
 from .cpu_moe import load_extension
 
-__all__ = ["linear", "lm_head", "lm_head_stats", "lm_head_stats_torch", "head_streams", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
-           "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained"]
+__all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
+           "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained", "lm_head", "lm_head_stats",
+           "lm_head_stats_torch", "head_streams"]
 
 DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
 # Above this many rows a projection has enough arithmetic per weight for MKL's blocked GEMM
@@ -73,7 +74,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # what lm_head_linear streams
-BACKEND_TORCH_HEAD = "torch-upcast"  # an LM head whose rows the kernel did not stream: lm_head_reference
 
 _torch_head_calls: dict[str, int] = {}
 
