@@ -176,8 +176,9 @@ def test_bf16_head_keeps_most_greedy_answers():
 
 
 def test_axes_choose_what_is_ablated():
-    assert parse_axes(None) == (("kernel", "scheduler", "prefetch"), False)
-    assert parse_axes("lm-head,kernel") == (("kernel",), True)
+    assert parse_axes(None) == (("kernel", "scheduler", "prefetch"), frozenset())
+    assert parse_axes("lm-head,kernel") == (("kernel",), {"lm-head"})
+    assert parse_axes("speculative,lm-head") == ((), {"speculative", "lm-head"})
     with pytest.raises(MoebenchError):
         parse_axes("kernel,speed")
     names = [c.name for c in ablation_matrix(("kernel",), lm_heads=("int8", "fp8"))]
