@@ -1,4 +1,4 @@
-"""The bundled MoE runtime: load a checkpoint, batch requests, decode greedily, record every step."""
+"""The bundled MoE runtime: load a checkpoint, batch requests, decode (greedy or sampled), record every step."""
 
 # The names below resolve on first use (PEP 562): `moebench.engine.config` (the switch names)
 # then imports without torch, which keeps the CLI's --help and usage errors instant.
