@@ -171,7 +171,7 @@ class Engine:
             else:
                 emitted = [[t] for t in self._select_tokens(seqs, logits, sampling_counts)]
                 if speculator and not all(in_prefill):
-                    speculator.plain_decode_steps += 1
+                    speculator.plain_step()
         if rt.device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()

@@ -187,11 +187,12 @@ class Speculator:
             emitted.append(row[:kept + 1])
             if d:
                 self._count(len(d), kept)
-        if any(drafts):
-            self.verify_steps += 1
-        else:
-            self.plain_decode_steps += 1
+        self.verify_steps += 1
         return emitted
+
+    def plain_step(self) -> None:
+        """A decode step ran without drafts (none found, or the batch policy)."""
+        self.plain_decode_steps += 1
 
     def _count(self, drafted: int, kept: int) -> None:
         self.drafted += drafted
