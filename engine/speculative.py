@@ -107,14 +107,14 @@ class Speculator:
         self.drafted_at = [0] * k  # drafts proposed at draft position j
         self.accepted_at = [0] * k  # ... and accepted
         self.accepted_hist = [0] * (k + 1)  # verified sequences by how many drafts they kept
-        self._step = {"drafted": 0, "accepted": 0}
+        self._step = {"drafted": 0, "accepted": 0, "accepted_lengths": []}
 
     def plan(self, seqs, new_tokens: list[list[int]], block_manager) -> list[list[int]]:
         """Each sequence's drafts this step ([] for none), with KV capacity for them already in its
         block table. Only decoding sequences draft; the last draft position leaves room for the
         pick after it within max_new_tokens."""
         s = self.settings
-        self._step = {"drafted": 0, "accepted": 0}
+        self._step = {"drafted": 0, "accepted": 0, "accepted_lengths": []}
         drafts: list[list[int]] = [[] for _ in seqs]
         if self.settings.max_batch is not None and len(seqs) > s.max_batch:
             self.off_by_batch += 1
@@ -205,6 +205,7 @@ class Speculator:
             self.accepted_at[j] += j < kept
         self._step["drafted"] += drafted
         self._step["accepted"] += kept
+        self._step["accepted_lengths"].append(kept)  # per verifying sequence, in batch order
 
     @staticmethod
     def rollback(seq, block_manager) -> None:
@@ -216,7 +217,8 @@ class Speculator:
             block_manager.free(extra)
 
     def take_step(self) -> dict:
-        return dict(self._step)
+        """This step's drafted and accepted tokens and each verifying sequence's accepted length."""
+        return {**self._step, "accepted_lengths": list(self._step["accepted_lengths"])}
 
     def evidence(self) -> dict:
         s = self.settings

@@ -87,6 +87,9 @@ def test_speculative_outputs_equal_plain_decoding(checkpoints, tokenizer, suite,
     assert ev["verify_steps"] > 0 and 0 < ev["accepted"] < ev["drafted"]
     assert ev["tokens_per_verify"] > 1
     assert sum(ev["accepted_length_histogram"]) == sum(ev["drafted_by_position"][:1])
+    lengths = [n for s in result.steps for n in s["accepted_lengths"]]  # per step, per verifying sequence
+    assert [lengths.count(n) for n in range(len(ev["accepted_length_histogram"]))] == ev["accepted_length_histogram"]
+    assert sum(s["accepted"] for s in result.steps) == ev["accepted"] == sum(lengths)
     # decode tok/s counts emitted tokens: the plain run's tokens, more than one per sequence and step
     spec_decode = [s for s in result.steps if s["phase"] != "prefill"]
     plain_decode = [s for s in plain[sampling].steps if s["phase"] != "prefill"]
