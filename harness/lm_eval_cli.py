@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from moebench.errors import MoebenchError
+from moebench.options import BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, PREFETCH, SCHEDULER, THREADS, cpu_threads
 
 
 def lm_eval_command(
@@ -22,14 +23,14 @@ def lm_eval_command(
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt (default: the task's; the bundled model's 512-token context needs 0 for gsm8k)."),
     data: Optional[Path] = typer.Option(None, "--data", help="GSM8K directory with train.jsonl and test.jsonl (else $MOEBENCH_GSM8K_DIR, else the hub)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory. Default: the bundled gsm-synth MoE."),
-    kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive or fused."),
-    scheduler: str = typer.Option("static", "--scheduler", help="Batching: static or continuous."),
-    prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
+    kernel: str = KERNEL,
+    scheduler: str = SCHEDULER,
+    prefetch: str = PREFETCH,
+    batch_size: int = BATCH_SIZE,
     max_gen_toks: int = typer.Option(256, "--max-gen-toks", help="Generation limit when a task gives none."),
-    expert_budget: str = typer.Option("1.0", "--expert-budget", help="Fraction of routed-expert weights kept resident, or a size (8GB)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    threads: int = typer.Option(1, "--threads", help="torch CPU threads (0: torch's choice)."),
+    expert_budget: Optional[str] = EXPERT_BUDGET,
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
     output: Optional[Path] = typer.Option(None, "--output", help="Write lm-eval's results (and per-item samples) here as JSON."),
 ):
     """Run lm-eval's tasks with the bundled runtime as the model (lm_eval.simple_evaluate)."""
@@ -61,8 +62,8 @@ def lm_eval_command(
         if unknown:
             raise MoebenchError(f"--tasks: unknown to lm-eval: {', '.join(unknown)}")
         lm = MoebenchLM(model=str(model) if model else None, kernel=kernel, scheduler=scheduler, prefetch=prefetch,
-                        batch_size=batch_size, max_gen_toks=max_gen_toks, expert_budget=expert_budget,
-                        device=device, threads=threads or None)
+                        batch_size=batch_size, max_gen_toks=max_gen_toks, expert_budget=expert_budget or "1.0",
+                        device=device, threads=cpu_threads(threads, device))
         try:
             selection = _selection(task_names, manager, offset, limit) if offset else None
             _quiet_git_lookup()

@@ -27,7 +27,7 @@ from moebench.bundled_model import BUNDLED_MODEL, bundled_model_path  # noqa: F4
 from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
-from moebench.options import SPEC_MAX_BATCH, SPEC_TOKENS, SPECULATIVE, TEMPERATURE, TOP_K, TOP_P, check_sampling_options
+from moebench.options import ADMISSION, BATCH_SIZE, DECODE_PATH, DEVICE, EXPERT_BUDGET, KERNEL, LM_HEAD, OFFLOAD_TIER, PREFETCH, SCHEDULER, SPECULATIVE, SPEC_MAX_BATCH, SPEC_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P, check_sampling_options
 
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
 IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
@@ -70,23 +70,23 @@ def run_command(
     data: Optional[Path] = typer.Option(None, "--data", help="Directory with GSM8K test.jsonl/train.jsonl (else $MOEBENCH_GSM8K_DIR, else the openai/gsm8k hub data set)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N items of the suite (default: all; 200 for the bundled gsm-synth suite, so the default job takes minutes)."),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt (default: the prompt format's)."),
-    kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive (per-expert loop) or fused."),
-    scheduler: str = typer.Option("static", "--scheduler", help="Batching: static or continuous."),
-    prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
+    kernel: str = KERNEL,
+    scheduler: str = SCHEDULER,
+    prefetch: str = PREFETCH,
     ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
     factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
     axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim."),
-    lm_head: Optional[str] = typer.Option(None, "--lm-head", help="LM head weight precision: f32 (default, as loaded), bf16, int8 or fp8 (e4m3; int8 and fp8 with a scale per output row; float32 accumulation). Approximate: answers may change."),
+    lm_head: Optional[str] = LM_HEAD,
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
     warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
+    batch_size: int = BATCH_SIZE,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Generation limit per request (a hit counts as a truncation)."),
-    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Fraction of routed-expert weights kept resident (e.g. 0.5) or a size (8GB). Default 1.0."),
-    offload_tier: str = typer.Option("auto", "--offload-tier", help="Where non-resident experts live: auto (disk on a CPU, pinned host memory on CUDA), disk, or host (on a CPU a synthetic RAM-to-RAM setting)."),
-    admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
-    decode_path: str = typer.Option("auto", "--decode-path", help="How decode steps run, for every config alike: chained (the C++ step ops layer by layer, on the step's thread pool), native (every layer in one C++ call; needs kernel=fused, every expert resident, prefetch off), eager (each op from Python, torch's threads), auto (chained where the C++ ops run, else eager)."),
-    device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (measured here: with 2 threads on a busy 2-core machine, OpenMP hand-offs made small ops 30-60x slower and faked large speedups); 0 = torch's own choice."),
+    expert_budget: Optional[str] = EXPERT_BUDGET,
+    offload_tier: str = OFFLOAD_TIER,
+    admission: str = ADMISSION,
+    decode_path: str = DECODE_PATH,
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
     seed: int = typer.Option(0, "--seed", help="Run seed: with --temperature > 0 each request samples from its own stream, seeded from (this seed, trial, item id)."),
     out: Path = typer.Option(Path("results"), "--out", help="Parent directory of the run directory."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run directory (default: time to the millisecond, a random suffix, model and suite). A name that exists is refused; continue that run with --resume."),

@@ -34,7 +34,7 @@ from typing import Optional
 import typer
 
 from moebench.errors import MoebenchError
-from moebench.options import TEMPERATURE, TOP_K, TOP_P, check_sampling_options
+from moebench.options import ADMISSION, BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, OFFLOAD_TIER, PREFETCH, SCHEDULER, TEMPERATURE, THREADS, TOP_K, TOP_P, check_sampling_options
 from moebench.serve_requests import ApiError, RequestParser, _bad, load_chat_template
 from moebench.serve_engine_client import EngineClient, Event, Handle
 from moebench.serve_stream import TextStream
@@ -340,19 +340,19 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback unless you say otherwise)."),
     port: int = typer.Option(8000, "--port", help="TCP port; 0 picks a free one (printed on stdout)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: 'bundled' for the bundled model, else the directory name)."),
-    kernel: str = typer.Option("naive", "--kernel", help="MoE kernel: naive (per-expert loop) or fused."),
-    scheduler: str = typer.Option("static", "--scheduler", help="Batching: static (requests that arrive together form a batch; the next starts when it ends) or continuous (requests join the running batch at the next step)."),
-    prefetch: str = typer.Option("off", "--prefetch", help="Expert prefetch: off or lookahead."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Maximum requests running at once."),
+    kernel: str = KERNEL,
+    scheduler: str = SCHEDULER,
+    prefetch: str = PREFETCH,
+    batch_size: int = BATCH_SIZE,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="max_tokens of a request that gives none (capped by the context left)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt plus max_tokens limit per request (default: the model's max_position_embeddings)."),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests the server holds at once (running and waiting); more get HTTP 429."),
     batch_window_ms: Optional[float] = typer.Option(None, "--batch-window-ms", help="After an idle spell, wait this long for a batch to fill before the first step (default: 10 with --scheduler static, 0 with continuous)."),
-    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Fraction of routed-expert weights kept resident (e.g. 0.5) or a size (8GB). Default 1.0."),
-    offload_tier: str = typer.Option("host", "--offload-tier", help="Where non-resident experts live: host or disk."),
-    admission: str = typer.Option("affinity", "--admission", help="Continuous batching admission: affinity or fifo."),
-    device: str = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default on CPU: 1 (as for run); 0 = torch's own choice."),
+    expert_budget: Optional[str] = EXPERT_BUDGET,
+    offload_tier: str = OFFLOAD_TIER,
+    admission: str = ADMISSION,
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
     log_requests: bool = typer.Option(False, "--log-requests", help="Log one line per request on stderr."),
     temperature: float = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
@@ -379,9 +379,12 @@ def serve_command(
     except OSError as e:
         raise MoebenchError(f"cannot listen on {host}:{port} ({e.strerror})") from None
     bound = sock.getsockname()[1]
+    from moebench.engine.stores import resolve_tier
+
     runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
                             batch_size=batch_size, max_new_tokens=max_new_tokens, admission=admission,
-                            expert_budget=_parse_budget(expert_budget or "1.0"), offload_tier=offload_tier)
+                            expert_budget=_parse_budget(expert_budget or "1.0"),
+                            offload_tier=resolve_tier(offload_tier, device))
     if threads is None and device == "cpu":
         threads = 1
     if max_model_len is not None and max_model_len < 2:
