@@ -42,7 +42,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 from unittest import mock
@@ -52,6 +52,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moebench.engine.config import RuntimeConfig
 from moebench.random_models import make_random_qwen3_moe
 
 SCHEMA = "moebench.bench_gate/1"
@@ -144,14 +145,23 @@ class SlowedPrefetcher:
         return getattr(self.inner, name)
 
 
+@dataclass(frozen=True)
+class SlowedRuntime(RuntimeConfig):
+    """The candidate's runtime: the bundled runtime's settings plus the slowdown this benchmark
+    injects (a benchmark's own field: the package's RuntimeConfig has no test hook)."""
+
+    inject_slowdown: float = 0.0
+
+
 @contextlib.contextmanager
 def _candidate_extra(extra: dict, quiet: bool):
-    """Give the candidate's runtime `extra` (the injected slowdown), and keep measure() quiet.
+    """Give the candidate's runtime `extra` (the injected slowdown, as a SlowedRuntime), and keep
+    measure() quiet.
 
     The bundled backend looks `runtime_for` up in moebench.ablation at call time, so replacing it
     there reaches both the warm-up and the trials without touching the package. The engine
     builds its store and prefetcher through `make_store_and_prefetcher`; wrapped here, the
-    prefetcher of a runtime whose `extra` asks for a slowdown is a SlowedPrefetcher.
+    prefetcher of a SlowedRuntime with a slowdown is a SlowedPrefetcher.
     """
     import moebench.ablation as ablation_mod
     import moebench.engine.llm_engine as engine_mod
@@ -163,12 +173,12 @@ def _candidate_extra(extra: dict, quiet: bool):
     def runtime_for(base, cfg):
         rt = original(base, cfg)
         if cfg.name == "candidate" and extra:
-            rt = replace(rt, extra={**rt.extra, **extra})
+            rt = SlowedRuntime(**{f.name: getattr(rt, f.name) for f in fields(rt)}, **extra)
         return rt
 
     def make_store_and_prefetcher(ckpt, runtime):
         store, prefetcher = original_make(ckpt, runtime)
-        slowdown = runtime.extra.get("inject_slowdown")
+        slowdown = getattr(runtime, "inject_slowdown", 0.0)
         if slowdown:
             cfg = ckpt.config
             last = max(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))

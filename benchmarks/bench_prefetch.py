@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     from dataclasses import replace
 
     from moebench.engine import Engine, RuntimeConfig, load_checkpoint
+    from moebench.engine.config import StoreTuning
     from moebench.errors import MoebenchError
     from moebench.run import bundled_model_path
 
@@ -246,14 +247,14 @@ def main(argv=None) -> int:
         runs = []  # (batch, name, prompts, runtime): one trial of each per repeat, interleaved
         for b in batches:
             prompts = _prompts(args, b, path, ckpt)
-            extra = {"readers": args.readers, "lookahead_extra": args.lookahead_extra}
+            tuning = StoreTuning(readers=args.readers, lookahead_extra=args.lookahead_extra)
             if args.store != "both":
-                extra["expert_store"] = args.store
-            base = RuntimeConfig(kernel=args.kernel, batch_size=b, max_new_tokens=args.new_tokens, extra=extra)
+                tuning = replace(tuning, expert_store=args.store)
+            base = RuntimeConfig(kernel=args.kernel, batch_size=b, max_new_tokens=args.new_tokens, store=tuning)
             for name, kw in _configs(args.budget, tiers):
                 store = kw.pop("store", None)
                 rt = replace(base, **kw)
-                runs.append((b, name, prompts, replace(rt, extra={**extra, "expert_store": store}) if store else rt))
+                runs.append((b, name, prompts, replace(rt, store=replace(tuning, expert_store=store)) if store else rt))
 
         def ckpt_for(rt):
             return ckpts["resident"] if rt.expert_budget in (1, 1.0) else ckpts[rt.offload_tier]

@@ -137,6 +137,23 @@ LM_HEADS = ("f32", "bf16", "int8", "fp8")  # the LM head's weight precision (eng
 
 
 @dataclass(frozen=True)
+class StoreTuning:
+    """The expert store's and the lookahead prefetcher's developer settings: benchmarks and tests vary
+    them, no command exposes them (docs/prefetch.md has the measurements behind each default)."""
+
+    readers: int = 3  # disk tier: parallel readers (and load workers)
+    host_workers: int = 1  # host tier: copy workers
+    loader_cpus: str = "auto"  # cores of the native loader threads: auto, any, or a list such as "1,2"
+    loader_spin_us: int = 2000  # an idle native loader thread spins this long before it sleeps
+    expert_store: str | None = None  # auto | native | python bookkeeping (None: MOEBENCH_EXPERT_STORE, else auto)
+    lookahead_early: bool = True  # also guess each layer's experts from the previous layer's MoE input
+    lookahead_governor: bool = True  # stop guessing for a while where guesses cost more than they save
+    lookahead_window: int = 48  # plans the governor weighs at a time
+    lookahead_keep: int = 8
+    lookahead_extra: int = 1  # experts guessed beyond top-k per token
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """One point of the ablation matrix plus the settings every config shares."""
 
@@ -161,7 +178,7 @@ class RuntimeConfig:
     spec_tokens: int = 4
     spec_max_batch: int | None = None
     lm_head: str = "f32"  # f32: the checkpoint's own head; bf16, int8, fp8 change answers (approximate)
-    extra: dict = field(default_factory=dict)
+    store: StoreTuning = field(default_factory=StoreTuning)
 
     def __post_init__(self):
         for name, value, allowed in (

@@ -35,7 +35,6 @@ from moebench.engine.resident_store import ResidentStore, read_all_experts  # no
 from moebench.engine.store_base import STEP_KEYS, Counters, ExpertStore, dtype_name, host_ids, memory_evidence  # noqa: F401
 from moebench.errors import MoebenchError
 
-DEFAULT_DISK_READERS = 3
 
 
 class _NeverRaised(Exception):
@@ -46,8 +45,8 @@ def loader_cpus(runtime) -> list[int]:
     """The cores the native loader threads run on: the last ones of this process's set beyond the
     model's intra-op threads, so a loader never takes the model thread's core (on 2 cores, disk
     lookahead at batch 1 was ~8% faster so). [] (any core) when the model's threads need every
-    core, or with `runtime.extra["loader_cpus"] = "any"`; a list ("1" or "2,3") picks them."""
-    choice = str(runtime.extra.get("loader_cpus", "auto")).strip()
+    core, or with `StoreTuning(loader_cpus="any")`; a list ("1" or "2,3") picks them."""
+    choice = str(runtime.store.loader_cpus).strip()
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if choice == "any":
         return []
@@ -179,7 +178,7 @@ class PooledStore(ExpertStore):
             # A worker that slept between two plans would pay a wake-up at each one, as much as a
             # host copy (docs/prefetch.md); one idle worker spins instead, and stops spinning as soon
             # as another thread wants its core (kernels/csrc/expert_loader.cpp).
-            spin = int(runtime.extra.get("loader_spin_us", 2000))
+            spin = runtime.store.loader_spin_us
             self.loader_cpus = loader_cpus(runtime)
             self.executor = tier.native_loader(workers, spin, self.loader_cpus)
             self.demand_executor = tier.native_loader(workers, spin, self.loader_cpus) if demand else None

@@ -8,7 +8,7 @@ fetch whose experts are all resident is one C++ call, and a miss is described an
 counters and weights (tests/test_native_store.py).
 
 Where it runs: on CPU, when the native loader builds and the tier can describe its loads as plain
-integers (`ExpertTier.describe`). `MOEBENCH_EXPERT_STORE` or `runtime.extra["expert_store"]`
+integers (`ExpertTier.describe`). `MOEBENCH_EXPERT_STORE` or `runtime.store.expert_store`
 picks it: auto (default; the Python store, with a warning, where the native one cannot run),
 native (an error where it cannot), python.
 """
@@ -30,11 +30,11 @@ _W13_MARK, _W2_MARK = 1 << 46, 1 << 47
 
 
 def store_choice(runtime) -> str:
-    """auto, native or python: `runtime.extra["expert_store"]`, else MOEBENCH_EXPERT_STORE, else auto."""
-    choice = str(runtime.extra.get("expert_store") or os.environ.get(STORE_ENV) or "auto").strip().lower()
+    """auto, native or python: `runtime.store.expert_store`, else MOEBENCH_EXPERT_STORE, else auto."""
+    choice = str(runtime.store.expert_store or os.environ.get(STORE_ENV) or "auto").strip().lower()
     if choice not in CHOICES:
         raise MoebenchError(f"expert store '{choice}': expected one of {', '.join(CHOICES)} "
-                            f"(runtime.extra['expert_store'] or {STORE_ENV})")
+                            f"(runtime.store.expert_store or {STORE_ENV})")
     return choice
 
 

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from moebench.engine.expert_store import DEFAULT_DISK_READERS, NoPrefetch, ResidentStore
+from moebench.engine.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.offload import expert_file_dtype, make_tier
 from moebench.errors import MoebenchError
 
@@ -126,9 +126,8 @@ def make_store_and_prefetcher(ckpt, runtime):
         store = ResidentStore(ckpt, runtime.expert_budget, dtype)
     else:
         disk = tier_name == "disk"
-        # docs/prefetch.md gives the measurements behind 3 disk readers and 1 host worker.
-        readers = int(runtime.extra.get("readers", DEFAULT_DISK_READERS))
-        workers = readers if disk else int(runtime.extra.get("host_workers", 1))
+        readers = runtime.store.readers
+        workers = readers if disk else runtime.store.host_workers
         tier = make_tier(tier_name, ckpt, runtime.device, readers)
         tier.substituted = substituted
         from moebench.engine.native_store import pick_store_class
@@ -140,11 +139,11 @@ def make_store_and_prefetcher(ckpt, runtime):
 
         # Each layer is also guessed from the previous layer's MoE input (the early guess), so that
         # its loads overlap that layer's MoE too, not just one attention (docs/prefetch.md).
-        early = bool(runtime.extra.get("lookahead_early", True))
+        early = runtime.store.lookahead_early
         # Guessing stops for a while where it costs more than it saves (cheap loads); see PlanGovernor.
-        governor = {"enabled": bool(runtime.extra.get("lookahead_governor", True)),
-                    "window": int(runtime.extra.get("lookahead_window", 48)),
-                    "keep": int(runtime.extra.get("lookahead_keep", 8))}
-        return store, LookaheadPrefetcher(ckpt, store, extra_per_token=int(runtime.extra.get("lookahead_extra", 1)),
+        governor = {"enabled": runtime.store.lookahead_governor,
+                    "window": runtime.store.lookahead_window,
+                    "keep": runtime.store.lookahead_keep}
+        return store, LookaheadPrefetcher(ckpt, store, extra_per_token=runtime.store.lookahead_extra,
                                           early=early, governor=governor)
     return store, NoPrefetch(store)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+from moebench.engine.config import StoreTuning
 from moebench.engine.bailing_hybrid import HybridTransformer, make_hybrid_cache
 from moebench.engine.kda import delta_rule_chunked, delta_rule_step
 from moebench.engine.expert_store import NoPrefetch, ResidentStore
@@ -221,7 +222,7 @@ def test_lookahead_guesses_with_the_expert_bias_and_groups(tmp_path, monkeypatch
     ids_list = prompts(ckpt.config.vocab_size)
     # the governor off: it would skip guessing in alternate windows, and this compares the guesses
     runtime = RuntimeConfig(batch_size=3, max_new_tokens=NEW_TOKENS, kernel="fused", expert_budget=0.5,
-                            offload_tier="host", prefetch="lookahead", extra={"lookahead_governor": False})
+                            offload_tier="host", prefetch="lookahead", store=StoreTuning(lookahead_governor=False))
 
     def run():
         result = Engine(ckpt, None, runtime).generate([Request(f"r{i}", "") for i in range(3)], prompt_ids=ids_list)

@@ -23,8 +23,8 @@ def test_slowdown_reaches_only_the_candidate():
     baseline, candidate = _configs()
     with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
         runtime_for = ablation_mod.runtime_for
-        assert runtime_for(base, candidate).extra == {"inject_slowdown": 0.15}
-        assert runtime_for(base, baseline).extra == {}
+        assert runtime_for(base, candidate).inject_slowdown == 0.15
+        assert not hasattr(runtime_for(base, baseline), "inject_slowdown")
         assert runtime_for(base, candidate).switches() == runtime_for(base, baseline).switches()
     assert ablation_mod.runtime_for is original
 
@@ -40,7 +40,7 @@ def test_the_slowdown_wraps_the_candidates_prefetcher_not_the_engine(tmp_path):
     assert "inject_slowdown" not in inspect.getsource(engine_mod)
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "model"))
     with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
-        _, slowed = engine_mod.make_store_and_prefetcher(ckpt, RuntimeConfig(extra={"inject_slowdown": 0.15}))
+        _, slowed = engine_mod.make_store_and_prefetcher(ckpt, bench_gate.SlowedRuntime(inject_slowdown=0.15))
         _, plain = engine_mod.make_store_and_prefetcher(ckpt, RuntimeConfig())
     assert isinstance(slowed, SlowedPrefetcher) and slowed.slowdown == 0.15 and slowed.last == 1
     assert not isinstance(plain, SlowedPrefetcher)

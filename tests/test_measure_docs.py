@@ -8,11 +8,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_disk_readers_default_is_quoted_as_it_is():
-    from moebench.engine.expert_store import DEFAULT_DISK_READERS
+    from moebench.engine.config import StoreTuning
+
+    DEFAULT_DISK_READERS = StoreTuning().readers
 
     doc = (ROOT / "docs" / "prefetch.md").read_text()
     quoted = {int(n) for n in re.findall(r"parallel readers \(default (\d+)\)", doc)}
-    quoted |= {int(n) for n in re.findall(r'`runtime\.extra\["readers"\]`\s*\(default (\d+)\)', doc)}
+    quoted |= {int(n) for n in re.findall(r'`runtime\.store\.readers`\s*\(default (\d+)\)', doc)}
     assert quoted == {DEFAULT_DISK_READERS}
     bench = (ROOT / "benchmarks" / "bench_prefetch.py").read_text()
     assert re.search(rf'"--readers", type=int, default={DEFAULT_DISK_READERS}\b', bench)

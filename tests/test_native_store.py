@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+from moebench.engine.config import StoreTuning
 from moebench.engine.expert_store import PooledStore
 from moebench.engine.stores import make_store_and_prefetcher
 from moebench.engine.native_store import NativePooledStore
@@ -221,7 +222,7 @@ def test_store_choice(ckpt, monkeypatch, tmp_path):
     store.close()
     # the runtime's own choice wins over the environment
     store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="host",
-                                                             extra={"expert_store": "native"}))
+                                                             store=StoreTuning(expert_store="native")))
     assert isinstance(store, NativePooledStore)
     store.close()
     monkeypatch.setenv("MOEBENCH_EXPERT_STORE", "fast")
@@ -236,7 +237,7 @@ def test_store_choice(ckpt, monkeypatch, tmp_path):
     store.close()
     with pytest.raises(MoebenchError, match="'native' cannot run: the disk tier cannot describe"):
         make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.75, offload_tier="disk",
-                                                         extra={"expert_store": "native"}))
+                                                         store=StoreTuning(expert_store="native")))
 
 
 @pytest.mark.parametrize("workers", [0, 1])

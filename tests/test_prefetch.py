@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moebench.engine import RuntimeConfig, load_checkpoint
+from moebench.engine.config import StoreTuning
 from moebench.engine.expert_store import PooledStore, loader_cpus
 from moebench.engine.offload import ExpertTier, HostTier
 from moebench.engine.prefetch import LookaheadPrefetcher
@@ -265,12 +266,12 @@ def test_loader_threads_run_on_the_cores_the_model_leaves(monkeypatch):
     assert loader_cpus(auto) == mine[1:]  # the model's one thread keeps a core to itself
     monkeypatch.setattr(torch, "get_num_threads", lambda: len(mine))
     assert loader_cpus(auto) == []  # the model uses every core: the loaders share them
-    assert loader_cpus(RuntimeConfig(extra={"loader_cpus": "any"})) == []
-    assert loader_cpus(RuntimeConfig(extra={"loader_cpus": str(mine[-1])})) == [mine[-1]]
+    assert loader_cpus(RuntimeConfig(store=StoreTuning(loader_cpus="any"))) == []
+    assert loader_cpus(RuntimeConfig(store=StoreTuning(loader_cpus=str(mine[-1])))) == [mine[-1]]
     with pytest.raises(MoebenchError, match="not among this process's cpus"):
-        loader_cpus(RuntimeConfig(extra={"loader_cpus": "4096"}))
+        loader_cpus(RuntimeConfig(store=StoreTuning(loader_cpus="4096")))
     with pytest.raises(MoebenchError, match="expected auto, any or a list"):
-        loader_cpus(RuntimeConfig(extra={"loader_cpus": "last"}))
+        loader_cpus(RuntimeConfig(store=StoreTuning(loader_cpus="last")))
     ext = expert_loader.load_extension()
     before = len(_loader_affinities())
     loader = ext.Loader(3, 0, [mine[-1]])
