@@ -97,7 +97,10 @@ def non_expert_bytes_per_step(ckpt, element_size: int) -> int:
                    if isinstance(t, torch.Tensor) and name not in skip)
         return (held + cfg.vocab_size * cfg.hidden_size) * element_size
     attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    return (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size) * element_size
+    # the attention projections in the dtype they are held in (a bfloat16 checkpoint's stay so on
+    # the CPU: loader.keeps_dense_in_checkpoint_dtype), the LM head in its own
+    dense = torch.empty(0, dtype=ckpt.dense_dtype).element_size()
+    return cfg.num_layers * attn * dense + cfg.vocab_size * cfg.hidden_size * ckpt.lm_head.element_size()
 
 
 def cache_bytes_per_step(cfg, context_tokens: int, num_sequences: int, element_size: int) -> int:

@@ -245,17 +245,22 @@ class Engine:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
         cfg = self.cfg
         if self._read_sizes is None:  # per-model constants, worked out once
+            from moebench.engine.stores import store_layout
+
             elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
+            # experts in the dtype the store holds them in (bfloat16 rows of a bfloat16 checkpoint on the CPU)
+            expert_elt = torch.empty(0, dtype=store_layout(self.ckpt, self.runtime)[0]).element_size()
             moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             other = non_expert_bytes_per_step(self.ckpt, elt)
             if self.runtime.lm_head != "f32":  # the head read in its own precision (--lm-head)
                 from moebench.engine.quantize import lm_head_bytes
 
                 V, H = cfg.vocab_size, cfg.hidden_size
-                other += lm_head_bytes(V, H, self.runtime.lm_head, elt) - V * H * elt
-            self._read_sizes = (elt, moe_layers, other)
-        elt, moe_layers, other = self._read_sizes
-        expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * elt
+                # non_expert_bytes_per_step counted the head as held (a bf16 checkpoint's: bfloat16)
+                other += lm_head_bytes(V, H, self.runtime.lm_head, elt) - V * H * self.ckpt.lm_head.element_size()
+            self._read_sizes = (elt, expert_elt, moe_layers, other)
+        elt, expert_elt, moe_layers, other = self._read_sizes
+        expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * expert_elt
         kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) + reread_tokens
         kv = cache_bytes_per_step(cfg, kv_tokens, len(seqs), elt)
         return int(expert_bytes + other + kv)

@@ -7,6 +7,7 @@ layout every MoE kernel in `moebench.kernels` takes.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,10 @@ class Checkpoint:
     files: list[Path] = field(default_factory=list)
     # where each expert's tensors live on disk: (layer, expert) -> [(file, tensor name), ...]
     expert_sources: dict = field(default_factory=dict)
+    # the dtype the attention projections, the dense MLPs and an untied LM head are held in: the
+    # file's bfloat16 where the CPU kernels stream it (keeps_dense_in_checkpoint_dtype), else the
+    # compute dtype. Embeddings, norms, biases and routers are always in the compute dtype.
+    dense_dtype: torch.dtype = torch.float32
 
     @property
     def num_params(self) -> int:
@@ -147,6 +152,26 @@ def _router_name(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.{block}.gate.weight"
 
 
+DENSE_WEIGHTS_ENV = "MOEBENCH_DENSE_WEIGHTS"  # =float32: widen a bfloat16 checkpoint's dense weights at load
+
+
+def keeps_dense_in_checkpoint_dtype(stored: torch.dtype, device: str, dtype: torch.dtype) -> bool:
+    """Whether a checkpoint's dense matrices (attention projections, dense MLPs, an untied LM head)
+    stay in the file's dtype: a bfloat16 checkpoint computed in float32 on the CPU, where the
+    extension's dense kernel streams bfloat16 rows and widens them in registers. Widening is exact
+    (every bfloat16 value is a float32 value), so the results are those of the float32 copy while a
+    decode step reads half the bytes. Elsewhere (no extension, MOEBENCH_DENSE_KERNEL=torch, CUDA)
+    a bfloat16 matrix would be widened on every call: it is widened once, at load.
+    MOEBENCH_DENSE_WEIGHTS=float32 widens at load anyway (for A/B measurements)."""
+    if not (device == "cpu" and dtype == torch.float32 and stored == torch.bfloat16):
+        return False
+    if os.environ.get(DENSE_WEIGHTS_ENV, "checkpoint") == "float32":
+        return False
+    from moebench.kernels.cpu_dense import dense_kernel_enabled
+
+    return dense_kernel_enabled()
+
+
 def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: TensorIndex, device: str,
                                 dtype: torch.dtype, experts_in_checkpoint_dtype: bool = False,
                                 load_experts: bool = True) -> Checkpoint:
@@ -154,25 +179,32 @@ def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: Tensor
     `experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype (the store
     holds them so, or converts only those it holds). `load_experts=False`: routed experts stored one
     tensor per expert stay in the files (w13/w2 None, their places in `expert_sources`): the disk
-    tier reads them, and no copy of them is held."""
+    tier reads them, and no copy of them is held. Dense matrices stay bfloat16 where
+    `keeps_dense_in_checkpoint_dtype` says (Checkpoint.dense_dtype records it); routers do not: they
+    are <1% of a step's bytes (128 x 1024 per layer against 12 MB of attention projections), and the
+    prefetcher folds them with the norms into its float32 early-routing matrices (engine/prefetch.py)."""
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return index.get(name, shape).to(device=device, dtype=dtype)
-
-    def maybe(name: str, *shape: int) -> torch.Tensor | None:
-        return get(name, *shape) if name in index else None
 
     H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     embed_name = "model.embed_tokens.weight"
     checkpoint_dtype = index._open(index.name_to_file[embed_name]).get_slice(embed_name).get_dtype() if embed_name in index else "F32"
+    stored = _SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32)
+    dense_dtype = stored if keeps_dense_in_checkpoint_dtype(stored, device, dtype) else dtype
+
+    def matrix(name: str, *shape: int) -> torch.Tensor:
+        """A dense matrix in `dense_dtype` (a tensor stored in another dtype is converted to it)."""
+        return index.get(name, shape).to(device=device, dtype=dense_dtype)
+
     embed = get(embed_name, cfg.vocab_size, H)
     if cfg.tie_word_embeddings or "lm_head.weight" not in index:
         if not cfg.tie_word_embeddings:
             raise MoebenchError(f"{directory}: missing tensor 'lm_head.weight'")
-        lm_head = embed
+        lm_head = embed  # float32, as the embedding rows the decode step copies (csrc/decode_layer.cpp)
     else:
-        lm_head = get("lm_head.weight", cfg.vocab_size, H)
+        lm_head = matrix("lm_head.weight", cfg.vocab_size, H)
 
     layers = []
     expert_sources = {}
@@ -182,10 +214,10 @@ def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: Tensor
         layer = LayerWeights(
             input_norm=get(f"{p}.input_layernorm.weight", H),
             post_attention_norm=get(f"{p}.post_attention_layernorm.weight", H),
-            q_proj=get(f"{attn}.q_proj.weight", q_out, H),
-            k_proj=get(f"{attn}.k_proj.weight", kv_out, H),
-            v_proj=get(f"{attn}.v_proj.weight", kv_out, H),
-            o_proj=get(f"{attn}.o_proj.weight", H, q_out),
+            q_proj=matrix(f"{attn}.q_proj.weight", q_out, H),
+            k_proj=matrix(f"{attn}.k_proj.weight", kv_out, H),
+            v_proj=matrix(f"{attn}.v_proj.weight", kv_out, H),
+            o_proj=matrix(f"{attn}.o_proj.weight", H, q_out),
         )
         if cfg.attention_bias:
             layer.q_bias = get(f"{attn}.q_proj.bias", q_out)
@@ -217,8 +249,8 @@ def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: Tensor
         else:
             D = cfg.dense_intermediate_size
             m = f"{p}.mlp"
-            layer.dense_w13 = torch.cat([get(f"{m}.gate_proj.weight", D, H), get(f"{m}.up_proj.weight", D, H)])
-            layer.dense_w2 = get(f"{m}.down_proj.weight", H, D)
+            layer.dense_w13 = torch.cat([matrix(f"{m}.gate_proj.weight", D, H), matrix(f"{m}.up_proj.weight", D, H)])
+            layer.dense_w2 = matrix(f"{m}.down_proj.weight", H, D)
         layers.append(layer)
 
     for layer in layers:
@@ -227,11 +259,11 @@ def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: Tensor
             if isinstance(value, torch.Tensor) and name not in _PLACED:
                 setattr(layer, name, to_huge_pages(value))
     return assemble_checkpoint(directory, cfg, embed, lm_head, get("model.norm.weight", H), layers,
-                               checkpoint_dtype, index.files(), expert_sources)
+                               checkpoint_dtype, index.files(), expert_sources, dense_dtype)
 
 
 def assemble_checkpoint(directory, cfg, embed, lm_head, final_norm, layers, checkpoint_dtype, files,
-                        expert_sources) -> "Checkpoint":
+                        expert_sources, dense_dtype: torch.dtype | None = None) -> "Checkpoint":
     """The loaded pieces as a Checkpoint, embeddings in huge pages (a tied head shares them)."""
     tied = lm_head is embed
     embed = to_huge_pages(embed)
@@ -245,6 +277,7 @@ def assemble_checkpoint(directory, cfg, embed, lm_head, final_norm, layers, chec
         checkpoint_dtype=_SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32),
         files=files,
         expert_sources=expert_sources,
+        dense_dtype=embed.dtype if dense_dtype is None else dense_dtype,
     )
 
 

@@ -14,7 +14,8 @@ Use it wherever a model projects few tokens:
 
 It applies to float32 x on the CPU with at most DENSE_MAX_ROWS rows (decode steps) and float32 or
 bfloat16 weights whose rows are contiguous; anything else (prefill, CUDA, other dtypes, no
-extension) runs `F.linear`, which is faster for many rows. The result equals `F.linear` to float32
+extension) runs `F.linear`, which is faster for many rows (a bfloat16 weight with float32 rows is
+widened for it first: exact, a copy per call). The result equals `F.linear` to float32
 rounding, not bit for bit (the sums run in another order). `MOEBENCH_DENSE_KERNEL=torch` keeps
 `F.linear` everywhere (for A/B measurements); `dense_backends()` counts the calls each one ran.
 
@@ -70,6 +71,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + 1
         return load_extension().dense_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
+    if weight.dtype != x.dtype:  # a bfloat16 checkpoint's matrix, float32 rows (prefill): widened, exactly
+        weight = weight.to(x.dtype)
     return F.linear(x, weight, bias)
 
 
