@@ -25,7 +25,10 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 # Hugging Face model_type -> llama.cpp architecture name (Mixtral is llama.cpp's llama with experts)
 GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
-WEIGHT_DTYPES = ("f32", "f16")
+# --dtype: the type of every matrix but the routers (norms and routers stay F32 in every file). bf16
+# holds a bfloat16 checkpoint's values exactly; q8_0 is llama.cpp's blocks of 32 int8 with a float16
+# scale (the gguf package's quantizer), approximate.
+WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0")
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>")  # the engine's fallback list
 # bumped whenever the exporter's output for the same checkpoint changes (keys cached GGUF files)
 EXPORT_FORMAT_VERSION = 1
@@ -192,7 +195,14 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     tok = tokenizer_fields(model_dir, cfg.vocab_size)
     ckpt = load_checkpoint(model_dir, dtype=torch.float32)
     arch = GGUF_ARCHITECTURES[cfg.family]
-    weight_np = np.float32 if dtype == "f32" else np.float16
+    Q = gguf.GGMLQuantizationType
+    weight_type = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+    if weight_type == Q.Q8_0:
+        block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
+        widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.moe_intermediate_size}
+        if any(w % block for w in widths):
+            raise MoebenchError(f"{model_dir}: q8_0 needs every matrix's rows to be a multiple of {block} values "
+                                f"(this checkpoint's are {sorted(widths)} wide)")
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +210,8 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
         writer.add_name(model_dir.name)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_context_length(cfg.max_position_embeddings)
         writer.add_embedding_length(cfg.hidden_size)
@@ -240,11 +251,16 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
         writer.add_add_eos_token(False)
 
         def add(name: str, tensor, keep_f32: bool = False) -> None:
-            array = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else tensor
+            # the loader keeps a bfloat16 checkpoint's dense matrices bfloat16 (widened here, exactly)
+            array = tensor.detach().float().cpu().numpy() if hasattr(tensor, "detach") else tensor
+            array = np.ascontiguousarray(array, dtype=np.float32)
             # 1-D tensors (norms) must stay F32 for llama.cpp; the router stays F32 so that F16
             # rounding cannot flip which experts a token picks
-            target = np.float32 if keep_f32 or array.ndim == 1 else weight_np
-            writer.add_tensor(name, np.ascontiguousarray(array, dtype=target))
+            target = Q.F32 if keep_f32 or array.ndim == 1 else weight_type
+            if target in (Q.F32, Q.F16):
+                writer.add_tensor(name, array.astype(np.float16) if target == Q.F16 else array)
+            else:  # bytes in llama.cpp's layout; the writer works the shape out from raw_dtype
+                writer.add_tensor(name, gguf.quants.quantize(array, target), raw_dtype=target)
 
         add("token_embd.weight", ckpt.embed)
         add("output_norm.weight", ckpt.final_norm)
@@ -290,7 +306,7 @@ def _bundled_model() -> Path:
 def gguf_command(
     out: Annotated[Path, typer.Option("--out", help="The GGUF file to write.")],
     model: Annotated[Optional[Path], typer.Option("--model", help="Checkpoint directory (default: the bundled gsm-synth-moe).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight type: f32 (exact, default) or f16. Norms and routers stay f32.")] = "f32",
+    dtype: Annotated[str, typer.Option("--dtype", help="Weight type: f32 (exact, default), f16, bf16 (exact for a bf16 checkpoint) or q8_0. Norms and routers stay f32.")] = "f32",
 ) -> None:
     """Convert a qwen3_moe or mixtral checkpoint (safetensors) to a GGUF file for llama.cpp, tokenizer included."""
     path = export_gguf(model or _bundled_model(), out, dtype)

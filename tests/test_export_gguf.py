@@ -132,6 +132,57 @@ def test_f16_weights_with_f32_norms_and_router(tmp_path):
         assert np.array_equal(got[name], want.to(torch.float32 if keep_f32 else torch.float16).numpy()), name
 
 
+def test_bf16_weights_hold_the_bf16_checkpoint_exactly(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    out = export_gguf(BUNDLED, tmp_path / "bf16.gguf", "bf16")  # the bundled checkpoint is bfloat16
+    cfg = json.loads((BUNDLED / "config.json").read_text())
+    r = GGUFReader(str(out))
+    assert _field(r, "general.file_type") == 32  # llama.cpp's MOSTLY_BF16
+    tensors = {t.name: t for t in r.tensors}
+    expected = _expected_tensors(BUNDLED, cfg, rope_interleave=False)
+    assert set(tensors) == set(expected)
+    for name, want in expected.items():
+        keep_f32 = want.dim() == 1 or "ffn_gate_inp" in name
+        t = tensors[name]
+        assert t.tensor_type == (Q.F32 if keep_f32 else Q.BF16), name
+        got = dequantize(np.asarray(t.data), t.tensor_type).reshape(want.shape)
+        assert np.array_equal(got, want.numpy()), name  # bfloat16 values, bit for bit
+
+
+def test_q8_0_weights_are_blocks_of_32_within_half_a_step(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    out = export_gguf(BUNDLED, tmp_path / "q8.gguf", "q8_0")
+    cfg = json.loads((BUNDLED / "config.json").read_text())
+    r = GGUFReader(str(out))
+    assert _field(r, "general.file_type") == 7  # llama.cpp's MOSTLY_Q8_0
+    tensors = {t.name: t for t in r.tensors}
+    for name, want in _expected_tensors(BUNDLED, cfg, rope_interleave=False).items():
+        keep_f32 = want.dim() == 1 or "ffn_gate_inp" in name
+        t = tensors[name]
+        assert t.tensor_type == (Q.F32 if keep_f32 else Q.Q8_0), name
+        got = torch.from_numpy(dequantize(np.asarray(t.data), t.tensor_type).reshape(want.shape).copy())
+        if keep_f32:
+            assert torch.equal(got, want), name
+            continue
+        # each run of 32 values shares one scale d = amax / 127, stored as float16: every value within
+        # half a step plus up to 127 times the scale's rounding (2^-11 of it) of where it was
+        blocks, got_blocks = want.reshape(-1, 32), got.reshape(-1, 32)
+        step = blocks.abs().amax(dim=1, keepdim=True) / 127
+        assert ((got_blocks - blocks).abs() <= step * (0.5 + 127 * 2.0 ** -11) + 1e-7).all(), name
+        assert not torch.equal(got, want), name  # quantized, not copied
+
+
+def test_q8_0_refuses_rows_not_in_blocks_of_32(tmp_path):
+    ckpt = write_char_tokenizer(make_tiny_checkpoint(tmp_path / "mx", "mixtral_e5_k2"), 211)  # hidden 40
+    with pytest.raises(MoebenchError, match="multiple of 32"):
+        export_gguf(ckpt, tmp_path / "mx.gguf", "q8_0")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
 def test_mixtral_untied_with_char_tokenizer(tmp_path):
     ckpt = write_char_tokenizer(make_tiny_checkpoint(tmp_path / "mx", "mixtral_e5_k2"), 211)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -174,4 +225,7 @@ def test_cli_exit_2_on_bad_input(tmp_path):
                              "--out", str(tmp_path / "x.gguf")], capture_output=True, text=True)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "config.json: no such file" in lines[0]
+    assert len(lines) == 1 and "none: not a directory" in lines[0]
+    result = subprocess.run([sys.executable, "-m", "moebench", "export", "gguf", "--model", str(BUNDLED),
+                             "--out", str(tmp_path / "x.gguf"), "--dtype", "q4"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown weight type 'q4'" in result.stderr
