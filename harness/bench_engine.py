@@ -2,7 +2,8 @@
 prompts, batch and greedy settings, timed side by side (interleaved rounds) in one command.
 
 `--vs transformers` (default) times `transformers.generate()` in this process; `--vs llama.cpp`
-exports the checkpoint to an F32 GGUF (`moebench export gguf`) and times llama.cpp's own
+exports the checkpoint to a GGUF of the same weight type (`moebench export gguf`, `--dtype`: a
+bfloat16 checkpoint as BF16, or F16 with `--gguf-dtype f16`) and times llama.cpp's own
 `llama-server` (built by `moebench engines build-llamacpp`), started once per thread count with
 its weights read into memory (`--load-mode none`, i.e. no mmap) in huge pages (glibc's malloc
 asked for transparent huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1; the server's
@@ -14,7 +15,8 @@ a different clock. Each round runs every engine once per (threads, batch), alter
 first; the table shows medians over rounds and the median of the per-round ratios.
 
 Beside the rates: the bytes a decode step must read (the runtime's own step records: its routed
-experts' weights, every other weight, the KV cache), the read bandwidth measured in the same run
+experts' weights, every other weight, the KV cache; for llama.cpp and transformers the same step
+with their own weights' bytes: the GGUF's tensors, or transformers' float32 parameters), the read bandwidth measured in the same run
 at the same thread count (a 256 MB buffer in huge pages read by the fastest reader at hand, torch's
 `sum` or the extension's four-runs read, best of three each: `moebench.machine`) and the
 memory-bandwidth roofline, batch * bandwidth / bytes per step, with each engine's fraction of it.
@@ -51,6 +53,7 @@ DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=
                      head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
                      intermediate_size=2048, vocab_size=32000)
 VS_CHOICES = ("transformers", "llama.cpp", "moebench")
+DTYPES = ("f32", "bf16")  # the runtime's weights: a float32 or a bfloat16 checkpoint
 MANIFEST_SCHEMA = "moebench.bench-engine/1"
 
 
@@ -237,6 +240,48 @@ def decode_bytes_per_step(steps: list[dict]) -> float:
     return sum(decode) / len(decode)
 
 
+def step_weight_bytes(ckpt) -> tuple[int, int]:
+    """(bytes of the weights every decode step reads besides the routed experts, bytes of one expert),
+    as the runtime holds them (a bfloat16 checkpoint's stay bfloat16 on the CPU)."""
+    from moebench.engine.families import non_expert_bytes_per_step
+
+    w13 = next(layer.w13 for layer in ckpt.layers if layer.w13 is not None)
+    return non_expert_bytes_per_step(ckpt, 4), ckpt.config.expert_param_count * w13.element_size()
+
+
+def gguf_weight_bytes(path: Path, cfg) -> tuple[int, int]:
+    """The same two figures for a GGUF file, from its tensors' sizes (attention projections and the
+    output matrix, as the runtime counts them; the experts of every layer over their number)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    dense = sum(n for name, n in sizes.items()
+                if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output"))
+    dense += sizes.get("output.weight", sizes["token_embd.weight"])  # a tied head reads the embeddings
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    experts = sum(n for name, n in sizes.items() if name.endswith("_exps.weight"))
+    return dense, experts // (cfg.num_experts * moe_layers)
+
+
+def float32_weight_bytes(ckpt) -> tuple[int, int]:
+    """The same two figures for float32 weights (transformers' copy of the checkpoint)."""
+    cfg = ckpt.config
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    return 4 * (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size), cfg.expert_param_count * 4
+
+
+def other_bytes_per_step(steps: list[dict], ours: tuple[int, int], theirs: tuple[int, int], moe_layers: int) -> float:
+    """Mean bytes per decode step of another engine running the same steps (the same distinct experts
+    per layer and KV cache) with its own weights' bytes: the runtime's step bytes with its weights
+    swapped for the other engine's."""
+    decode = [s for s in steps if s["phase"] == "decode"]
+    if not decode:
+        raise MoebenchError("the measured run had no decode step (use --new-tokens >= 2)")
+    swapped = [s["bytes_read"] - ours[0] + theirs[0] + s["distinct_experts"] * moe_layers * (theirs[1] - ours[1])
+               for s in decode]
+    return sum(swapped) / len(swapped)
+
+
 def identical_count(tokens: list[list[int]], reference: list[list[int]]) -> int:
     return sum(list(a) == list(b) for a, b in zip(tokens, reference))
 
@@ -277,6 +322,8 @@ def bench_engine_command(
     layers: Optional[int] = typer.Option(None, "--layers", help="Override the random model's layer count (smaller = faster)."),
     kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
     scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="The runtime's weights: f32 or bf16. The random checkpoint is written in it (default f32); with --model, the checkpoint's own type (the default) and no other. llama.cpp gets a GGUF of the same type unless --gguf-dtype says."),
+    gguf_dtype: Optional[str] = typer.Option(None, "--gguf-dtype", help="llama.cpp's GGUF weight type: f32, f16, bf16 or q8_0 (default: --dtype). f16 has bf16's bytes per weight; take whichever of the two llama.cpp runs faster on the CPU at hand."),
     decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
     lm_head: str = typer.Option("f32", "--lm-head", help="The runtime's LM head precision: f32, bf16, int8 or fp8 (weight-only, float32 accumulation; approximate). --vs moebench times it against the float32 head."),
     hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
@@ -303,6 +350,12 @@ def bench_engine_command(
         raise MoebenchError(f"--threads must be >= 1, got {thread_counts}")
     if model is not None and not (model / "config.json").is_file():
         raise MoebenchError(f"--model {model}: no config.json there")
+    from moebench.export_gguf import WEIGHT_DTYPES
+
+    if dtype is not None and dtype not in DTYPES:
+        raise MoebenchError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    if gguf_dtype is not None and gguf_dtype not in WEIGHT_DTYPES:
+        raise MoebenchError(f"--gguf-dtype {gguf_dtype!r}: choose from {', '.join(WEIGHT_DTYPES)}")
 
     import gc
 
@@ -320,11 +373,20 @@ def bench_engine_command(
         path = model
         if path is None:
             overrides = {"num_hidden_layers": layers} if layers else {}
-            with console.status("writing a random Qwen3-MoE checkpoint"):
-                path = make_random_qwen3_moe(tmp / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0)
+            with console.status(f"writing a random Qwen3-MoE checkpoint ({dtype or 'f32'})"):
+                path = make_random_qwen3_moe(tmp / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0,
+                                             dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
                 if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
                     write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
-        ckpt = load_checkpoint(path)
+        # experts as the store holds them on the CPU (a bfloat16 checkpoint's stay bfloat16), as `run` loads
+        ckpt = load_checkpoint(path, experts_in_checkpoint_dtype=True)
+        held = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(ckpt.checkpoint_dtype)
+        if held is None or (dtype is not None and dtype != held):
+            raise MoebenchError(f"--model {path}: the checkpoint's weights are {ckpt.checkpoint_dtype}, not --dtype "
+                                f"{dtype} (the runtime computes with the checkpoint's own; choose from {', '.join(DTYPES)})")
+        dtype, gguf_dtype = held, gguf_dtype or held
+        our_weights = their_weights = step_weight_bytes(ckpt)
+        moe_layers = sum(ckpt.config.is_moe_layer(i) for i in range(ckpt.config.num_layers))
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), prompt_len), generator=g).tolist()
 
@@ -341,11 +403,13 @@ def bench_engine_command(
             gc.collect()
             from moebench.export_gguf import export_gguf
 
-            with console.status("exporting the checkpoint to an F32 GGUF"):
-                gguf = export_gguf(path, tmp / "model-f32.gguf", "f32")
+            with console.status(f"exporting the checkpoint to a {gguf_dtype.upper()} GGUF"):
+                gguf = export_gguf(path, tmp / f"model-{gguf_dtype}.gguf", gguf_dtype)
             other = LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)
+            their_weights = gguf_weight_bytes(gguf, ckpt.config)
         else:
             other = hf
+            their_weights = float32_weight_bytes(ckpt)
         bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head,
                               name="moebench" if lm_head == "f32" else f"moebench {lm_head} head")
 
@@ -358,6 +422,8 @@ def bench_engine_command(
                            for b in batches for side in (bundled, other)}
                 # bytes a decode step reads, by the runtime's own step records (each side of --vs moebench its own)
                 bytes_per_step = {(b, side.name): [] for b in batches for side in (bundled, other)}
+                # llama.cpp's or transformers': the runtime's steps with their weights' bytes
+                swapped_bytes: dict[int, list[float]] = {b: [] for b in batches}
                 for b in batches:  # warm-up: first touches, the server's start
                     for side in (bundled, other):
                         side.run(prompts[:b], 2, t)
@@ -380,21 +446,25 @@ def bench_engine_command(
                             cell["tokens"] = tokens
                             if isinstance(side, BundledSide):
                                 bytes_per_step[(b, side.name)].append(decode_bytes_per_step(side.last_steps))
+                            if side is bundled and not isinstance(other, BundledSide):
+                                swapped_bytes[b].append(other_bytes_per_step(side.last_steps, our_weights,
+                                                                             their_weights, moe_layers))
                             before = after
                 best = max(max(r.values()) for r in readers)
                 for b in batches:
                     mine, theirs = figures[(b, bundled.name)], figures[(b, other.name)]
                     step_bytes = _median(bytes_per_step[(b, bundled.name)])
-                    # another engine reads what the runtime's step reads (the same checkpoint), unless
-                    # it is the runtime itself with another LM head
-                    other_bytes = _median(bytes_per_step[(b, other.name)]) if isinstance(other, BundledSide) else step_bytes
+                    # the runtime with another LM head counts its own steps; another engine reads the
+                    # runtime's steps in its own weights' bytes (other_bytes_per_step)
+                    other_bytes = _median(bytes_per_step[(b, other.name)] if isinstance(other, BundledSide)
+                                          else swapped_bytes[b])
                     bandwidth = _median(mine["bandwidths"] + theirs["bandwidths"])
                     ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
 
                     def engine_row(cell, step_bytes):
                         fractions = [rate * step_bytes / (b * gb_s * 1e9)
                                      for rate, gb_s in zip(cell["rates"], cell["bandwidths"])]
-                        return {"decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
+                        return {"bytes_per_step": step_bytes, "decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
                                 "bandwidth_gb_s_rounds": cell["bandwidths"], "roofline_fraction_rounds": fractions,
                                 "roofline_fraction": _median(fractions),
                                 "roofline_fraction_interval": round_interval(fractions),
@@ -415,7 +485,9 @@ def bench_engine_command(
             if isinstance(other, LlamaServerSide):
                 other.stop()
 
-        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled)
+        weights = f"{bundled.name} {dtype}, {other.name} " + (
+            gguf_dtype if isinstance(other, LlamaServerSide) else "f32" if isinstance(other, TransformersSide) else dtype)
+        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled, weights)
         if out is not None:
             from moebench.fileio import atomic_write_json
 
@@ -423,6 +495,8 @@ def bench_engine_command(
                 "schema": MANIFEST_SCHEMA, "git_commit": commit, "versions": package_versions(),
                 "vs": vs, "model": str(model) if model else "random qwen3_moe",
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+                "dtype": dtype, "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
+                "gguf_dtype": gguf_dtype if isinstance(other, LlamaServerSide) else None,
                 "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
                 "machine": describe_machine(measure_bandwidth=False),
@@ -449,17 +523,19 @@ def default_thread_count() -> int:
 
 
 def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_tokens: int, repeats: int,
-                 other, bundled) -> None:
+                 other, bundled, weights: str) -> None:
     table = Table(title=f"decode tok/s (median of {repeats} interleaved rounds), {ckpt.num_params / 1e9:.2f}B params, "
-                        f"prompt {prompt_len}, {new_tokens} new tokens, greedy")
-    for col in ("threads", "batch", bundled.name, other.name, "ratio", "MB/step", "read GB/s", "roofline",
+                        f"prompt {prompt_len}, {new_tokens} new tokens, greedy; weights: {weights}")
+    for col in ("threads", "batch", bundled.name, other.name, "ratio", f"{bundled.name} MB/step",
+                f"{other.name} MB/step", "read GB/s", f"{bundled.name} roofline",
                 f"{bundled.name} % roof", f"{other.name} % roof", "greedy = transformers"):
         table.add_column(col, justify="right")
     for r in rows:
         mine, theirs = r["engines"][bundled.name], r["engines"][other.name]
         table.add_row(
             str(r["threads"]), str(r["batch"]), f"{mine['decode_tok_s']:.1f}", f"{theirs['decode_tok_s']:.1f}",
-            f"{r['ratio_median']:.2f}x", f"{r['bytes_per_step'] / 1e6:.0f}", f"{r['bandwidth_gb_s']:.1f}",
+            f"{r['ratio_median']:.2f}x", f"{r['bytes_per_step'] / 1e6:.0f}", f"{theirs['bytes_per_step'] / 1e6:.0f}",
+            f"{r['bandwidth_gb_s']:.1f}",
             f"{r['roofline_tok_s']:.1f}", f"{mine['roofline_fraction']:.0%}", f"{theirs['roofline_fraction']:.0%}",
             f"{mine['greedy_identical_to_transformers']}/{r['batch']}, {theirs['greedy_identical_to_transformers']}/{r['batch']}")
     console.print(table)

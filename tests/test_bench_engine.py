@@ -78,8 +78,8 @@ def _check_manifest(path, other: str, batches, threads):
         assert row["best_bandwidth_gb_s"] == max(max(p.values()) for p in row["bandwidth_by_reader_probes"])
         for name, figures in row["engines"].items():
             assert len(figures["decode_tok_s_rounds"]) == manifest["repeats"]
-            # each run against the bandwidth of its own minute, and the median of those
-            paired = [rate * row["bytes_per_step"] / (row["batch"] * gb_s * 1e9)
+            # each run against the bandwidth of its own minute (and its own bytes), and the median of those
+            paired = [rate * figures["bytes_per_step"] / (row["batch"] * gb_s * 1e9)
                       for rate, gb_s in zip(figures["decode_tok_s_rounds"], figures["bandwidth_gb_s_rounds"], strict=True)]
             assert figures["roofline_fraction_rounds"] == pytest.approx(paired, nan_ok=True)  # NaN: no decode time
             assert figures["roofline_fraction"] == pytest.approx(statistics.median(paired), nan_ok=True)
