@@ -61,6 +61,9 @@ def _model_summary(ckpt) -> dict:
         "hidden_size": c.hidden_size,
         "moe_intermediate_size": c.moe_intermediate_size,
         "dtype": str(ckpt.checkpoint_dtype).replace("torch.", ""),
+        # the dtype attention projections and an untied LM head are held and streamed in (a bfloat16
+        # checkpoint's stay bfloat16 on the CPU: engine/loader.py keeps_dense_in_checkpoint_dtype)
+        "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
     }
 
 

@@ -41,7 +41,7 @@ def test_weight_bytes_of_each_engine(tiny_bf16, tmp_path):
 def test_bench_engine_on_a_bf16_checkpoint(tiny_bf16, tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["moebench", "bench-engine", "--model", str(tiny_bf16), "--batch", "1",
-                                      "--threads", "1", "--new-tokens", "5", "--repeats", "1", "--prompt-len", "8",
+                                      "--threads", "1", "--threads", "2", "--new-tokens", "5", "--repeats", "1", "--prompt-len", "8",
                                       "--out", str(out)])
     with pytest.raises(SystemExit) as exc:
         main()
@@ -51,13 +51,14 @@ def test_bench_engine_on_a_bf16_checkpoint(tiny_bf16, tmp_path, capsys, monkeypa
     manifest = json.loads(out.read_text())
     assert manifest["dtype"] == "bf16" and manifest["dense_dtype"] == "bfloat16"
     assert manifest["runtime_evidence"]["prefetch"]["expert_dtype"] == "bfloat16"
-    row = manifest["rows"][0]
-    ours, theirs = (row["engines"][name]["bytes_per_step"] for name in ("moebench", "transformers"))
-    # batch 1: a step reads top_k distinct experts per layer in both; the KV cache is float32 in both
     cfg = load_checkpoint(tiny_bf16).config
     (d2, e2), (d4, e4) = _by_hand(cfg, 2), _by_hand(cfg, 4)
-    assert theirs - ours == pytest.approx((d4 - d2) + cfg.top_k * cfg.num_layers * (e4 - e2))
-    assert row["engines"]["moebench"]["greedy_identical_to_transformers"] == 1
+    assert [row["threads"] for row in manifest["rows"]] == [1, 2]
+    for row in manifest["rows"]:
+        ours, theirs = (row["engines"][name]["bytes_per_step"] for name in ("moebench", "transformers"))
+        # batch 1: a step reads top_k distinct experts per layer in both; the KV cache is float32 in both
+        assert theirs - ours == pytest.approx((d4 - d2) + cfg.top_k * cfg.num_layers * (e4 - e2))
+        assert row["engines"]["moebench"]["greedy_identical_to_transformers"] == 1
 
 
 def test_dtype_that_is_not_the_checkpoints_is_refused(tiny_bf16, capsys, monkeypatch):
