@@ -144,3 +144,15 @@ def read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as e:  # e.msg alone can end mid-sentence ("Invalid control character at")
                 raise MoebenchError(f"{path}:{lineno}: malformed JSON line ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     return records
+
+
+def read_json(path: Path, missing: str = "missing"):
+    """A JSON file's value; MoebenchError naming the file if it is absent or not JSON."""
+    from moebench.errors import MoebenchError
+
+    if not path.is_file():
+        raise MoebenchError(f"{path}: {missing}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoebenchError(f"{path}: not valid JSON ({e})") from None

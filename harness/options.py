@@ -69,16 +69,12 @@ TOP_K = typer.Option(
 
 
 def check_sampling_options(temperature: float, top_p: Optional[float], top_k: Optional[int]) -> None:
-    """Refuse what no engine can honour: a bad value, or a top-p / top-k cut beside greedy decoding
-    (which would be recorded and silently ignored)."""
+    """Refuse what no engine can honour: a bad value (the sampler's own check), or a top-p / top-k cut
+    beside greedy decoding (which would be recorded and silently ignored)."""
+    from moebench.engine.sampling import check_sampling
     from moebench.errors import MoebenchError
 
-    if temperature is None or not temperature >= 0 or temperature == float("inf"):
-        raise MoebenchError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise MoebenchError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise MoebenchError(f"--top-k must be >= 1 (or unset), got {top_k}")
+    check_sampling(temperature, top_p, top_k, "--")
     if temperature == 0 and (top_p not in (None, 1) or top_k is not None):
         raise MoebenchError("--top-p and --top-k need --temperature > 0 (greedy decoding would ignore them)")
 

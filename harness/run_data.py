@@ -5,14 +5,13 @@ MoebenchError naming it. Trials and steps are optional (None when absent).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from moebench.errors import MoebenchError
-from moebench.fileio import read_jsonl
+from moebench.fileio import read_json, read_jsonl
 
 MANIFEST_SCHEMA = "moebench.manifest/1"
 
@@ -33,12 +32,7 @@ class RunData:
 # ---------------------------------------------------------------- loading
 
 def _load_manifest(path: Path) -> dict:
-    if not path.is_file():
-        raise MoebenchError(f"{path}: missing (not a moebench results directory?)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoebenchError(f"{path}: not valid JSON ({e})") from None
+    manifest = read_json(path, "missing (not a moebench results directory?)")
     if not isinstance(manifest, dict):
         raise MoebenchError(f"{path}: expected a JSON object")
     schema = manifest.get("schema", MANIFEST_SCHEMA)

@@ -7,7 +7,6 @@ feed becomes null. verdict(summary) turns one config's comparison into a plain s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -18,6 +17,7 @@ import pandas as pd
 
 from moebench import stats
 from moebench.errors import MoebenchError
+from moebench.fileio import read_json
 from moebench.paired_accuracy import paired_difference, tango_interval
 from moebench.policy import DEFAULTS
 from moebench.run_data import RunData, load_run, per_item  # noqa: F401  (re-exported: callers read runs through here)
@@ -522,12 +522,7 @@ def with_margin(summary: dict, margin: float) -> dict:
 def read_summary(path: Path) -> dict:
     """A summary.json file, checked to be of this schema; MoebenchError naming it if not."""
     path = Path(path)
-    if not path.is_file():
-        raise MoebenchError(f"{path}: missing")
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoebenchError(f"{path}: not valid JSON ({e})") from None
+    summary = read_json(path)
     schema = summary.get("schema") if isinstance(summary, dict) else None
     if schema != SCHEMA:
         raise MoebenchError(f"{path}: schema {schema!r}, expected {SCHEMA!r} "
