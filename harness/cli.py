@@ -129,7 +129,7 @@ def main() -> None:
         ctx = getattr(e, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         _fail(f"{e.format_message()}{hint}")
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort, but not at every point
         print("moebench: aborted", file=sys.stderr)
         sys.exit(130)
     except MoebenchError as e:

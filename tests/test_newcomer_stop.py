@@ -47,9 +47,13 @@ def _lines(f: Path) -> int:
     return len(f.read_text().splitlines()) if f.exists() else 0
 
 
+ITEMS = 4000
+
+
 @pytest.mark.parametrize("when", ["first trial", "warm-up"])
 def test_ctrl_c_before_the_first_trial_ends_keeps_a_resumable_folder(model, tmp_path, when):
-    data = _data(tmp_path / "data", 400)
+    # 4000 items: on the tiny model a 400-item trial could end before the SIGINT reached it
+    data = _data(tmp_path / "data", ITEMS)
     out = tmp_path / "results"
     run_dir = out / "r"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -72,4 +76,4 @@ def test_ctrl_c_before_the_first_trial_ends_keeps_a_resumable_folder(model, tmp_
                              capture_output=True, text=True, timeout=600, env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _lines(run_dir / "trials.jsonl") == 1
-    assert _lines(run_dir / "samples.jsonl") == 400
+    assert _lines(run_dir / "samples.jsonl") == ITEMS
