@@ -23,12 +23,12 @@ def _load(model: str, layers: int | None, tmp: Path):
     from moebench.engine import load_checkpoint
 
     if model == "bundled":
-        from moebench.bundled_model import bundled_model_path
+        from moebench.models.bundled import bundled_model_path
 
         return load_checkpoint(bundled_model_path())
     if model == "random-0.89b":
-        from moebench.bench_engine import DEFAULT_SHAPE
-        from moebench.random_models import make_random_qwen3_moe
+        from moebench.measuring.bench_engine import DEFAULT_SHAPE
+        from moebench.models.random import make_random_qwen3_moe
 
         shape = {**DEFAULT_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
         return load_checkpoint(make_random_qwen3_moe(tmp / "model", shape, pad_token_id=0))

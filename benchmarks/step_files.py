@@ -20,7 +20,7 @@ from pathlib import Path
 def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) -> tuple[Counter, dict]:
     import torch
 
-    from moebench.bundled_model import bundled_model_path
+    from moebench.models.bundled import bundled_model_path
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
     from moebench.engine.sequence import Sequence
 

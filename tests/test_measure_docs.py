@@ -40,8 +40,8 @@ def test_the_report_names_the_model_without_this_machines_path(tmp_path):
     import json
 
     from fixtures.make_run import make_run
-    from moebench.report import build_document, render_markdown
-    from moebench.summary import build_summary, load_run
+    from moebench.results.report import build_document, render_markdown
+    from moebench.results.summary import build_summary, load_run
 
     run = make_run(tmp_path)
     manifest = json.loads((run / "manifest.json").read_text())
@@ -55,8 +55,8 @@ def test_the_report_says_not_exercised_never_ok(tmp_path):
     import json
 
     from fixtures.make_run import make_run
-    from moebench.report import build_document, render_markdown
-    from moebench.summary import build_summary, load_run
+    from moebench.results.report import build_document, render_markdown
+    from moebench.results.summary import build_summary, load_run
 
     run = make_run(tmp_path, configs=("baseline", "kernel", "all"))
     rows = [json.loads(line) for line in (run / "trials.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moebench.engine.budget_floor import smallest_fraction
+from moebench.engine.store.budget_floor import smallest_fraction
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 

@@ -58,7 +58,7 @@ def test_prompts_that_fit_run(tmp_path):
 
 
 def test_a_server_reporting_a_short_context_is_refused_before_any_trial(tmp_path):
-    from moebench.serve import ServeProcess
+    from moebench.serve.app import ServeProcess
 
     longest = _longest("gsm-synth", 0, 3)
     max_len = longest + 10  # the prompts fit, the 64 new tokens do not
@@ -79,7 +79,7 @@ def test_llama_server_s_slot_context_is_read_and_enforced(tmp_path, llama_server
 
     import httpx
 
-    from moebench.engines.llamacpp import bundled_gguf_path
+    from moebench.backends.llamacpp import bundled_gguf_path
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

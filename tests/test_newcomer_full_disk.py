@@ -17,7 +17,7 @@ LIMITED = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
 sys.argv = ["moebench", *sys.argv[1:]]
-from moebench.cli import main
+from moebench.cli.app import main
 main()
 """
 

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 from fixtures.make_run import make_run
-from moebench import plots
-from moebench.report import write_report
-from moebench.report_words import plain_words as _plain_words
-from moebench.summary import build_summary, config_entry
+from moebench.results import plots
+from moebench.results.report import write_report
+from moebench.results.report_words import plain_words as _plain_words
+from moebench.results.summary import build_summary, config_entry
 
 SIX = ("baseline", "kernel", "scheduler", "prefetch", "kernel+scheduler", "all")
 

@@ -17,7 +17,7 @@ from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.engine.sequence import Sequence
 from moebench.engine.speculative import SpecSettings, Speculator, ngram_draft
 from moebench.errors import MoebenchError
-from moebench.run import _load_model, bundled_model_path
+from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 N_ITEMS = 12
@@ -257,7 +257,7 @@ def test_run_ablates_the_speculative_axis_with_its_evidence(tmp_path, monkeypatc
     import json
     import sys
 
-    from moebench.cli import main
+    from moebench.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["moebench", "run", "--ablate", "--axes", "kernel,speculative", "--limit", "8",
                                       "--max-new-tokens", "48", "--warmup", "2", "--repeats", "1", "--temperature", "2",

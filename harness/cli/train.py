@@ -1,0 +1,42 @@
+"""`moebench train-bundled`: the command line of moebench.models.train (which needs torch, so it is
+imported only when training starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+# Not the bundled model's own folder inside the installed package: retraining must not silently
+# replace the model that every default run uses. Pass that folder as --out to mean it.
+DEFAULT_OUT = Path("trained") / "gsm-synth-moe"
+
+
+def train_bundled_command(
+    out: Annotated[Path, typer.Option(help="Output folder for the checkpoint. The model moebench ships "
+                                           "(moebench/bundled/gsm-synth-moe) is replaced only if --out names its folder.")] = DEFAULT_OUT,
+    minutes: Annotated[float, typer.Option(help="Wall-time cap for training (minutes).")] = 45.0,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    steps: Annotated[int, typer.Option(help="Optimizer steps (the time budget may stop training earlier).")] = 3200,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 300,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest on a shared machine).")] = 1,
+) -> None:
+    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split."""
+    from moebench.fileio import ensure_writable_dir
+
+    out = ensure_writable_dir(out, "--out")
+    log_file = out / "train_log.txt"
+    log_file.write_text("")
+
+    def log(msg):
+        print(msg, flush=True)
+        with log_file.open("a") as f:
+            f.write(msg + "\n")
+
+    from moebench.models.train import train
+
+    train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
+          eval_every=eval_every, threads=threads, log=log)
