@@ -218,7 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", choices=("auto", "suite", "random"), default="auto",
                     help="suite: the first --batch gsm-synth items (needs the model's tokenizer.json); random: "
                          "random token ids; auto: suite when the model has a tokenizer")
-    ap.add_argument("--readers", type=int, default=3, help="parallel readers of the disk tier (off and lookahead alike)")
+    ap.add_argument("--readers", type=int, default=StoreTuning().readers,
+                    help="parallel readers of the disk tier (off and lookahead alike; default: the runtime's)")
     ap.add_argument("--lookahead-extra", type=int, default=1,
                     help="experts predicted per token beyond top-k (the first MoE layer: one more)")
     ap.add_argument("--threads", type=int, default=1,

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from fixtures.make_run import make_run
 from moebench.errors import MoebenchError
-from moebench.results.gate import gate_command
+from moebench.cli.gate import gate_command
 from moebench.results.summary import build_summary
 
 

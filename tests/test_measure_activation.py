@@ -1,4 +1,4 @@
-"""Activation on every run, however small (issue 15, items 1-3): what a switch needs from the
+"""Activation on every run, however small: what a switch needs from the
 workload is "not exercised", never "ok"; a fallback is a failure; an idle prefetcher is an error;
 and a batch of one works with continuous batching. Real runs of the bundled model, a few items."""
 

@@ -1,5 +1,5 @@
 """A disk-tier budget too small for the read buffers plus one layer's experts is refused with the
-smallest budget that works, and that budget does work (issue 34, item 10)."""
+smallest budget that works, and that budget does work."""
 
 import json
 import re

@@ -1,5 +1,5 @@
-"""A full disk names the file it could not write, and `report` leaves no 0-byte plot behind
-(issue 34, item 6); a malformed JSON line says where in the line (item 10)."""
+"""A full disk names the file it could not write, and `report` leaves no 0-byte plot behind;
+a malformed JSON line says where in the line."""
 
 import subprocess
 import sys

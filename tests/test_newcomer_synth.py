@@ -1,5 +1,5 @@
 """`moebench models synth --shape ling3-flash-scaled --out DIR`, the README's form, works without
-GSM8K data (the bundled tokenizer) and writes every file readable like the rest (issue 34, item 5)."""
+GSM8K data (the bundled tokenizer) and writes every file readable like the rest."""
 
 import os
 import stat

@@ -1,4 +1,4 @@
-"""Evidence that discriminates (issue 36): a configuration's must-match evidence is judged against
+"""Evidence that discriminates: a configuration's must-match evidence is judged against
 the baseline's own output too, and evidence that holds there is refused in one line, unless marked
 shared. Judged here on the recorded output of SGLang 0.5.23 and vLLM 0.34.0 (reconstructed from
 their format strings, tests/fixtures/engine_logs), on a real HTTP server at warm-up, and on the

@@ -1,4 +1,4 @@
-"""Issue 16, item 8: the report reads right in every case, fits a page in a real browser (1400 px
+"""The report reads right in every case, fits a page in a real browser (1400 px
 and 800 px), shows activation evidence as tables, and its plots show every configuration."""
 
 import json

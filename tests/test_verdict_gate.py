@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from fixtures.make_run import make_run
 from moebench.errors import MoebenchError
-from moebench.results.gate import gate_command
-from moebench.results.plan import plan_command
+from moebench.cli.gate import gate_command
+from moebench.cli.plan import plan_command
 
 
 def _invoke(command, name, *args):

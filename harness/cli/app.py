@@ -1,4 +1,5 @@
-"""The `moebench` command line: one typer app; each command lives in the module that owns it.
+"""The `moebench` command line: one typer app; each command's options live in a module of moebench.cli
+(bench-engine's and `engines build-llamacpp`'s still beside their logic), which calls the layer that does the work.
 
 `moebench --help`, every subcommand's `--help` and every usage error must answer at once, even
 on a loaded machine, so a command module imports nothing heavy (torch, transformers, pandas,
@@ -30,27 +31,25 @@ def _root() -> None:
 # Command registrations: one line per command. Importing a command's module must stay light (no
 # torch/transformers/pandas at its top): all of them are imported to answer `moebench --help`.
 from moebench.backends import llamacpp  # noqa: E402
-from moebench.cli import kernels as kernels_cli, profiles as profiles_cli, train as train_cli  # noqa: E402
+from moebench.cli import export, gate, kernels, models, plan, profiles, report, train  # noqa: E402
 from moebench.cli.lm_eval import lm_eval_command  # noqa: E402
-from moebench.measuring.bench_engine import bench_engine_command  # noqa: E402
 from moebench.cli.run import run_command  # noqa: E402
-from moebench.models import export_gguf, synth as synth_models  # noqa: E402
-from moebench.results import gate, plan, report  # noqa: E402
 from moebench.cli.serve import serve_command  # noqa: E402
+from moebench.measuring.bench_engine import bench_engine_command  # noqa: E402
 
 app.command("run")(run_command)
 app.command("report")(report.report_command)
 app.command("gate")(gate.gate_command)
 app.command("plan")(plan.plan_command)
 app.command("bench-engine")(bench_engine_command)
-app.command("train-bundled")(train_cli.train_bundled_command)
+app.command("train-bundled")(train.train_bundled_command)
 app.command("serve")(serve_command)
 app.command("lm-eval")(lm_eval_command)
-app.add_typer(kernels_cli.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
-app.add_typer(export_gguf.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
+app.add_typer(kernels.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
+app.add_typer(export.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
 app.add_typer(llamacpp.cli, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")
-app.add_typer(synth_models.app, name="models", help="Random checkpoints with a named model's structure (models synth).")
-app.add_typer(profiles_cli.app, name="profiles", help="Check server profiles' evidence against recorded server output (no server).")
+app.add_typer(models.app, name="models", help="Random checkpoints with a named model's structure (models synth).")
+app.add_typer(profiles.app, name="profiles", help="Check server profiles' evidence against recorded server output (no server).")
 
 
 def _show_flags_plainly(command) -> None:

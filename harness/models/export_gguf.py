@@ -15,13 +15,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
+
 
 from moebench.errors import MoebenchError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 # Hugging Face model_type -> llama.cpp architecture name (Mixtral is llama.cpp's llama with experts)
 GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
@@ -302,14 +300,3 @@ def _bundled_model() -> Path:
     from moebench.models.bundled import BUNDLED_MODEL
 
     return BUNDLED_MODEL
-
-
-@app.command("gguf")
-def gguf_command(
-    out: Annotated[Path, typer.Option("--out", help="The GGUF file to write.")],
-    model: Annotated[Optional[Path], typer.Option("--model", help="Checkpoint directory (default: the bundled gsm-synth-moe).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Weight type: f32 (exact, default), f16, bf16 (exact for a bf16 checkpoint) or q8_0. Norms and routers stay f32.")] = "f32",
-) -> None:
-    """Convert a qwen3_moe or mixtral checkpoint (safetensors) to a GGUF file for llama.cpp, tokenizer included."""
-    path = export_gguf(model or _bundled_model(), out, dtype)
-    typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")

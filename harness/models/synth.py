@@ -17,13 +17,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
+
 
 from moebench.errors import MoebenchError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 # Ling-3.0-flash (inclusionAI, model_type bailing_hybrid) as the issue and its config give it
 LING3_FLASH = dict(
@@ -66,7 +64,7 @@ RANDOM_ROUTING_NOTE = ("random weights: the routers route almost uniformly, so e
                        "misstate what a trained Ling-3.0-flash gives")
 
 
-def _bpe_tokenizer(data_dir: Path, vocab_size: int, out: Path) -> int:
+def gsm8k_bpe_tokenizer(data_dir: Path, vocab_size: int, out: Path) -> int:
     """A byte-level BPE tokenizer trained on the GSM8K train split in `data_dir` (train.jsonl):
     GSM8K prompts get realistic lengths. Returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -113,7 +111,7 @@ def make_synth_model(shape: str, out: Path, data_dir: Path | None, seed: int = 0
               f"tokenizer ({vocab} tokens, trained on gsm-synth); GSM8K prompts tokenize longer with it than "
               "with one trained on GSM8K's train split, which --data gives", file=sys.stderr, flush=True)
     else:
-        vocab = _bpe_tokenizer(Path(data_dir), tokenizer_vocab, out)
+        vocab = gsm8k_bpe_tokenizer(Path(data_dir), tokenizer_vocab, out)
         special = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}
         tokenizer_note = f"byte-level BPE trained on {Path(data_dir) / 'train.jsonl'}"
     config = dict(spec["config"], vocab_size=vocab, **special)
@@ -197,23 +195,3 @@ def _write_card(out: Path, shape: str, spec: dict, config: dict, params: int, se
         "expert bias and routed scaling 2.5, dense first layer(s), the per-head widths of MLA and KDA. "
         "Reduced: depth, widths, head count, expert count and top-k (in proportion). No MTP layer: plain "
         "decoding never reads it.\n")
-
-
-@app.command("synth")
-def synth_command(
-    shape: Annotated[str, typer.Option(help=f"Model shape: {', '.join(SHAPES)}.")] = "ling3-flash-scaled",
-    out: Annotated[Path, typer.Option(help="Directory to write the checkpoint to.")] = Path("models/ling3-flash-scaled"),
-    data: Annotated[Optional[Path], typer.Option(
-        help="GSM8K data directory (train.jsonl trains the tokenizer); default $MOEBENCH_GSM8K_DIR, else the bundled model's tokenizer.")] = None,
-    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
-    dtype: Annotated[str, typer.Option(help="Weights' dtype on disk: bfloat16 or float32.")] = "bfloat16",
-) -> None:
-    """Write a random checkpoint with a named model's structure, scaled to fit this machine, plus its model card."""
-
-    from moebench.suites.gsm8k import DATA_DIR_ENV
-
-    data_dir = data or (Path(os.environ[DATA_DIR_ENV]) if os.environ.get(DATA_DIR_ENV) else None)
-    path = make_synth_model(shape, out, data_dir, seed, dtype)
-    card = json.loads((path / "model_card.json").read_text())
-    typer.echo(f"wrote {path} ({card['parameters'] / 1e6:.0f}M parameters, {shape}); "
-               f"model card: {path / 'README.md'}")

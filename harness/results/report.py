@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import typer
 
 from moebench.fileio import atomic_write_text, ensure_writable_dir
 
@@ -532,16 +531,3 @@ def write_report(run_dir: Path, out_dir: Path | None = None, margin: float | Non
     atomic_write_text(out_dir / "report.md", render_markdown(doc))
     atomic_write_text(out_dir / "report.html", render_html(doc))
     return out_dir
-
-
-def report_command(
-    run_dir: Path = typer.Argument(..., help="A results directory written by `moebench run`."),
-    out: Path | None = typer.Option(None, "--out", help="Report directory (default: reports/<run-id>/)."),
-    margin: float | None = typer.Option(None, "--margin", help="Non-inferiority margin of the accuracy verdicts, in points (default: the summary's, 1.0 unless built otherwise)."),
-) -> None:
-    """Write a Markdown and a self-contained HTML report with plots for one run."""
-    from rich.console import Console
-
-    out_dir = write_report(run_dir, out, margin)
-    n_png = len(list(out_dir.glob("*.png")))
-    Console().print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.html'} and {n_png} plots")
