@@ -261,6 +261,8 @@ def roofline(summary: dict, path: Path) -> Path | None:
 def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
               out_dir: Path) -> list[tuple[str, Path]]:
     """Draw every plot that has data; (caption, path) in report order."""
+    from moebench import plots_speculative
+
     out_dir = Path(out_dir)
     jobs = [
         ("Decode tokens/s per configuration (median, 95% CI)", "decode_tps.png",
@@ -275,6 +277,8 @@ def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
         ("Expert store hit rate, prefetch precision and stall time", "expert_store.png",
          lambda p: expert_store(summary, p)),
         ("Roofline: achieved fraction of the bandwidth limit", "roofline.png", lambda p: roofline(summary, p)),
+        (plots_speculative.CAPTION, plots_speculative.FILE,
+         lambda p: plots_speculative.speculative_acceptance(summary, p)),
     ]
     made = []
     for caption, name, draw in jobs:
