@@ -1,15 +1,12 @@
 """The report's speculative-decoding plot: for each config whose activation evidence holds a
 speculative record (`activation.evidence.speculative` in summary.json, engine/speculative.py),
 the acceptance rate at each draft position and the mean tokens emitted per verifying sequence and
-step. Drawn only when a config drafted; a run without speculation gets no plot and no caption."""
+step. Drawn (moebench.plots.speculative_acceptance) only when a config ran with drafts on; a run
+without speculation gets no plot and no caption."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-
-from moebench.plots import _figure, _save
 
 FILE = "speculative_acceptance.png"
 CAPTION = "Speculative decoding: acceptance by draft position and tokens per verify step"
@@ -30,11 +27,8 @@ def _label(name: str, spec: dict) -> str:
     return f"{name} ({spec['method']}, K {spec.get('tokens')}" + (f", max batch {limit})" if limit else ")")
 
 
-def speculative_acceptance(summary: dict, path: Path) -> Path | None:
-    records = speculative_records(summary)
-    if not records:
-        return None
-    fig, (ax1, ax2) = _figure(11, 4, ncols=2)
+def draw_acceptance(ax1, ax2, records: list[tuple[str, dict]]) -> None:
+    """Acceptance by draft position (ax1) and tokens per verify step (ax2) of each record."""
     k_max = max(len(spec["drafted_by_position"]) for _, spec in records)
     width = 0.8 / len(records)
     for i, (name, spec) in enumerate(records):
@@ -64,4 +58,3 @@ def speculative_acceptance(summary: dict, path: Path) -> Path | None:
     ax2.set_xticks(x, names, rotation=20, ha="right")
     ax2.set_ylabel("tokens per verifying sequence and step")
     ax2.set_title("Tokens per verify step (1 = plain decoding)")
-    return _save(fig, path)

@@ -6,7 +6,8 @@ import json
 
 from fixtures.make_run import make_run
 from moebench.engine.speculative import Speculator, SpecSettings
-from moebench.plots_speculative import FILE, speculative_acceptance, speculative_records
+from moebench.plots import speculative_acceptance
+from moebench.plots_speculative import FILE, speculative_records
 from moebench.report import write_report
 from moebench.summary import build_summary
 
