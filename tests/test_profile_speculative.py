@@ -93,3 +93,16 @@ def test_sglang_mtp_log_line_needs_a_nonzero_acceptance_rate():
 @pytest.mark.parametrize("path", [VLLM, SGLANG], ids=lambda p: p.name)
 def test_speculative_profiles_say_they_were_not_run_here(path):
     assert "not run" in load_profiles(path).checked["engine"] or "not run here" in path.read_text()
+
+
+def test_llamacpp_lookup_whose_window_never_matches_is_refused():
+    """Recorded from a real llama-server: the type accepted, the slot speculative, no draft made."""
+    lcpp = REPO / "profiles" / "llamacpp-speculative-cpu.toml"
+    ngram = _profile(lcpp, "ngram")
+    folder = LOGS / "llamacpp-0.3.36-speculative"
+    no_op = load_observation(folder, "ngram.window-never-matches")
+    errors = _errors(ngram, no_op)
+    assert any("llamacpp:spec_decode_num_draft_tokens_total is 0.0, expected at_least 1" in e for e in errors)
+    assert any("no match for 'draft acceptance" in e for e in errors)
+    assert not any("0.speculative" in e for e in errors)  # /slots says speculative: the flag alone proves nothing
+    assert not _errors(ngram, load_observation(folder, "ngram"))
