@@ -77,7 +77,11 @@ SPECULATIVE = typer.Option(
          "decoding's, greedy or sampled (docs/speculative.md). With --ablate, the speculative axis of --axes.")
 SPEC_TOKENS = typer.Option(
     4, "--spec-tokens", rich_help_panel=SPECULATIVE_PANEL, help="Draft tokens per sequence and verify step (1..16).")
+# Measured on the bundled model (docs/speculative.md, "Policy"): a verify step costs more plain steps
+# than the tokens it emits at every batch size above 1, so by default only a step of one sequence drafts
+SPEC_MAX_BATCH_DEFAULT = 1
 SPEC_MAX_BATCH = typer.Option(
-    None, "--spec-max-batch", rich_help_panel=SPECULATIVE_PANEL,
-    help="Steps with more sequences than this run without drafts (verification costs more than it saves "
-         "in large batches); default: any batch size.")
+    SPEC_MAX_BATCH_DEFAULT, "--spec-max-batch", rich_help_panel=SPECULATIVE_PANEL,
+    help="Steps with more sequences than this run without drafts (vLLM's disable-by-batch-size). Default "
+         f"{SPEC_MAX_BATCH_DEFAULT}: on the bundled model verification costs more than it saves at every larger "
+         "batch (docs/speculative.md, Policy); give --batch-size or more to draft in every step.")

@@ -258,9 +258,22 @@ def roofline(summary: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def speculative_acceptance(summary: dict, path: Path) -> Path | None:
+    from moebench.plots_speculative import draw_acceptance, speculative_records
+
+    records = speculative_records(summary)
+    if not records:
+        return None
+    fig, (ax1, ax2) = _figure(11, 4, ncols=2)
+    draw_acceptance(ax1, ax2, records)
+    return _save(fig, path)
+
+
 def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
               out_dir: Path) -> list[tuple[str, Path]]:
     """Draw every plot that has data; (caption, path) in report order."""
+    from moebench import plots_speculative
+
     out_dir = Path(out_dir)
     jobs = [
         ("Decode tokens/s per configuration (median, 95% CI)", "decode_tps.png",
@@ -275,6 +288,8 @@ def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
         ("Expert store hit rate, prefetch precision and stall time", "expert_store.png",
          lambda p: expert_store(summary, p)),
         ("Roofline: achieved fraction of the bandwidth limit", "roofline.png", lambda p: roofline(summary, p)),
+        (plots_speculative.CAPTION, plots_speculative.FILE,
+         lambda p: speculative_acceptance(summary, p)),
     ]
     made = []
     for caption, name, draw in jobs:
