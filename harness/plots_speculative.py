@@ -1,8 +1,9 @@
 """The report's speculative-decoding plot: for each config whose activation evidence holds a
 speculative record (`activation.evidence.speculative` in summary.json, engine/speculative.py),
 the acceptance rate at each draft position and the mean tokens emitted per verifying sequence and
-step, of the first trial (the record summary.json keeps). Drawn (moebench.plots.speculative_acceptance) only when a config ran with drafts on; a run
-without speculation gets no plot and no caption."""
+step, of the first trial (the record summary.json keeps). Drawn by
+moebench.plots.speculative_acceptance only when a config ran with drafts on; a run without
+speculation gets no plot and no caption."""
 
 from __future__ import annotations
 
