@@ -7,7 +7,7 @@ import json
 from fixtures.make_run import make_run
 from moebench.engine.speculative import Speculator, SpecSettings
 from moebench.results.plots import speculative_acceptance
-from moebench.plots_speculative import FILE, speculative_records
+from moebench.results.plots_speculative import FILE, speculative_records
 from moebench.results.report import write_report
 from moebench.results.summary import build_summary
 

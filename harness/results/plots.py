@@ -259,7 +259,7 @@ def roofline(summary: dict, path: Path) -> Path | None:
 
 
 def speculative_acceptance(summary: dict, path: Path) -> Path | None:
-    from moebench.plots_speculative import draw_acceptance, speculative_records
+    from moebench.results.plots_speculative import draw_acceptance, speculative_records
 
     records = speculative_records(summary)
     if not records:
@@ -272,7 +272,7 @@ def speculative_acceptance(summary: dict, path: Path) -> Path | None:
 def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
               out_dir: Path) -> list[tuple[str, Path]]:
     """Draw every plot that has data; (caption, path) in report order."""
-    from moebench import plots_speculative
+    from moebench.results import plots_speculative
 
     out_dir = Path(out_dir)
     jobs = [

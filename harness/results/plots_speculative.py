@@ -1,8 +1,9 @@
 """The report's speculative-decoding plot: for each config whose activation evidence holds a
 speculative record (`activation.evidence.speculative` in summary.json, engine/speculative.py),
 the acceptance rate at each draft position and the mean tokens emitted per verifying sequence and
-step. Drawn (moebench.results.plots.speculative_acceptance) only when a config ran with drafts on; a run
-without speculation gets no plot and no caption."""
+step, of the first trial (the record summary.json keeps). Drawn by
+moebench.results.plots.speculative_acceptance only when a config ran with drafts on; a run without
+speculation gets no plot and no caption."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def draw_acceptance(ax1, ax2, records: list[tuple[str, dict]]) -> None:
     ax1.set_xlabel("draft position")
     ax1.set_ylabel("accepted / drafted at the position (%)")
     ax1.set_ylim(0, 110)
-    ax1.set_title("Acceptance by draft position")
+    ax1.set_title("Acceptance by draft position (first trial)")
     ax1.legend(fontsize=7)
     names = [name for name, _ in records]
     tpv = [spec.get("tokens_per_verify") for _, spec in records]
