@@ -45,7 +45,7 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
 EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attention", (CSRC, CSRC_ATTENTION, CSRC_DENSE, CSRC_DECODE_LAYER),
                       tuple(CFLAGS), (),
                       estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load",
-                      headers=(CSRC.with_name("cpu_common.h"),))
+                      headers=(CSRC.with_name("cpu_common.h"), CSRC.with_name("spin.h")))
 
 BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"

@@ -10,11 +10,9 @@
 // thread has claimed and not finished. A worker that wakes late finds nothing left and goes back
 // to waiting: it never holds the section up.
 //
-// Waiting workers spin for a short while (MOEBENCH_POOL_SPIN_US, default 200 us: the gap between
-// two sections of a step is tens of microseconds, and waking a sleeping thread costs ~50 us on
-// these VMs), then sleep on a futex. They do not spin at all while the machine has more runnable
-// threads than cores (/proc/loadavg), or once a yield comes back late (another thread wanted this
-// core): a spinning thread would take the core another job needs.
+// Waiting workers spin for a short while (MOEBENCH_POOL_SPIN_US: the gap between two sections of a
+// step is shorter than waking a sleeping thread), then sleep on a futex; spin.h says when they
+// do not spin at all.
 //
 // Dense projections. At decode time x has 1-16 rows and w a few MB: a weight row is read once and
 // meets every token while it is in L1. Items are blocks of output rows; with up to 3 tokens the
@@ -25,6 +23,7 @@
 // poorly.
 
 #include "cpu_common.h"
+#include "spin.h"
 
 #include <fcntl.h>
 #include <immintrin.h>
@@ -49,55 +48,12 @@ using ItemFn = void (*)(void* context, int64_t item);
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-constexpr auto kLateYield = std::chrono::microseconds(50);
-
-inline void cpu_relax() { _mm_pause(); }
-
-// More threads runnable than online cores right now (the 4th field of /proc/loadavg).
-bool machine_busy() {
-  static const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
-  const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  char text[128];
-  const ssize_t n = read(fd, text, sizeof(text) - 1);
-  close(fd);
-  if (n <= 0) return false;
-  text[n] = '\0';
-  const char* field = text;
-  for (int i = 0; i < 3 && field != nullptr; ++i) {
-    field = std::strchr(field, ' ');
-    if (field != nullptr) ++field;
-  }
-  // the count includes the thread reading it, so "busy" is strictly more runnable threads than cores
-  return field != nullptr && std::strtol(field, nullptr, 10) > cores;
-}
-
 std::atomic<int64_t> g_spins_refused{0};  // spins not begun because the machine was busy
 
 // Spins until ready() or `spin` has passed; false if it gave up (the caller then sleeps).
 template <class Ready>
 bool spin_until(Ready ready, std::chrono::microseconds spin) {
-  if (ready()) return true;
-  if (spin.count() <= 0) return false;
-  if (machine_busy()) {
-    g_spins_refused.fetch_add(1, std::memory_order_relaxed);
-    return false;
-  }
-  const auto deadline = Clock::now() + spin;
-  int rounds = 0;
-  for (auto now = Clock::now(); now < deadline;) {
-    for (int i = 0; i < 32; ++i) {
-      if (ready()) return true;
-      cpu_relax();
-    }
-    std::this_thread::yield();
-    const auto after = Clock::now();
-    if (after - now > kLateYield) return ready();  // someone else ran on this core meanwhile
-    if (++rounds % 64 == 0 && machine_busy()) return ready();
-    now = after;
-  }
-  return ready();
+  return moebench_spin::spin_until(ready, spin, &g_spins_refused);
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {

@@ -16,6 +16,8 @@
 
 #include <torch/extension.h>
 
+#include "spin.h"
+
 #include <fcntl.h>
 #include <pthread.h>
 #include <unistd.h>
@@ -60,62 +62,8 @@ struct Load {
   std::string error;
 };
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-// Waking a sleeping thread costs tens of microseconds (more on a VM, where the idle vCPU has to be
-// woken by the host), as much as copying an expert; so a worker spins a while for the next load
-// before it sleeps, and so does a thread waiting for a load. Spinning pays only where a core would
-// otherwise idle. On a busy machine a spinner takes CPU time from real work, and not only on its own
-// core: a thread that is always runnable makes its core look busy to the kernel's load balancer, so
-// a job that could have moved there stays queued behind the model's thread. So a spinner stops and
-// sleeps as soon as the machine has more runnable threads than cores (the running count in
-// /proc/loadavg, checked when the spin starts and every ~100 us), or a yield comes back late
-// (another thread ran on this core in between).
-using Clock = std::chrono::steady_clock;
-constexpr auto kContendedYield = std::chrono::microseconds(50);
-constexpr int kRoundsPerBusyCheck = 32;  // a round polls 64 times, then yields: a few microseconds
-
-// More threads runnable right now than online cores (false where /proc/loadavg cannot be read).
-inline bool machine_busy() {
-  static const long cpus = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
-  const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  char buf[128];
-  const ssize_t n = read(fd, buf, sizeof(buf) - 1);
-  close(fd);
-  if (n <= 0) return false;
-  buf[n] = '\0';
-  const char* field = buf;  // "0.52 0.58 0.59 3/467 12345": the 4th field is running/total
-  for (int i = 0; i < 3 && field != nullptr; ++i) {
-    field = std::strchr(field, ' ');
-    if (field != nullptr) ++field;
-  }
-  return field != nullptr && std::strtol(field, nullptr, 10) > cpus;
-}
-
-template <class Ready>
-bool spin_until(Ready ready, std::chrono::nanoseconds spin) {
-  if (ready()) return true;
-  if (spin.count() <= 0 || machine_busy()) return ready();
-  const auto deadline = Clock::now() + spin;
-  int rounds = 0;
-  for (auto now = Clock::now(); now < deadline;) {
-    for (int i = 0; i < 64; ++i) {
-      if (ready()) return true;
-      cpu_relax();
-    }
-    std::this_thread::yield();
-    const auto after = Clock::now();
-    if (after - now > kContendedYield) break;  // someone else wanted this core: sleep instead
-    if (++rounds % kRoundsPerBusyCheck == 0 && machine_busy()) break;
-    now = after;
-  }
-  return ready();
-}
+using moebench_spin::Clock;
+using moebench_spin::spin_until;
 
 struct LoadError : std::runtime_error {
   using std::runtime_error::runtime_error;
