@@ -19,15 +19,16 @@ from typing import Optional
 
 import typer
 
-from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, OFF, SPECULATIVE_AXIS, SWITCHES, ConfigPoint,
+from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, LOW_PRECISION_WEIGHTS, OFF, SPECULATIVE_AXIS, SWITCHES,
+                               WEIGHTS_AXIS, ConfigPoint,
                                ablation_matrix, negative_control, parse_axes, point, resident_reference)
 from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
 from moebench.ablation import runtime_for as _runtime_for
 from moebench.bundled_model import BUNDLED_MODEL, bundled_model_path  # noqa: F401 (imported from here)
-from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS
+from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS, WEIGHT_PRECISIONS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
-from moebench.options import ADMISSION, BATCH_SIZE, DECODE_PATH, DEVICE, EXPERT_BUDGET, KERNEL, LM_HEAD, OFFLOAD_TIER, PREFETCH, SCHEDULER, SPECULATIVE, SPEC_MAX_BATCH, SPEC_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P, check_sampling_options
+from moebench.options import ADMISSION, BATCH_SIZE, DECODE_PATH, DEVICE, EXPERT_BUDGET, KERNEL, LM_HEAD, OFFLOAD_TIER, WEIGHTS, PREFETCH, SCHEDULER, SPECULATIVE, SPEC_MAX_BATCH, SPEC_TOKENS, TEMPERATURE, THREADS, TOP_K, TOP_P, check_sampling_options
 
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
 IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
@@ -78,8 +79,9 @@ def run_command(
     prefetch: str = PREFETCH,
     ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
     factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
-    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim."),
+    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head, weights (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim; so is weights (weights=int8)."),
     lm_head: Optional[str] = LM_HEAD,
+    weights: str = WEIGHTS,
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
     warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
     batch_size: int = BATCH_SIZE,
@@ -121,7 +123,7 @@ def run_command(
         args = dict(
             model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
-            factorial=factorial, axes=axes, lm_head=lm_head, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            factorial=factorial, axes=axes, lm_head=lm_head, weights=weights, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,
@@ -341,8 +343,9 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
     for switch in SWITCHES:
         if args[switch] != OFF[switch]:
             raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
-    if args.get("lm_head") or args.get("axes"):
-        raise MoebenchError("--lm-head and --axes are for the bundled runtime; a server's configurations come from --profiles")
+    if args.get("lm_head") or args.get("axes") or args.get("weights", "f32") != "f32":
+        raise MoebenchError("--lm-head, --weights and --axes are for the bundled runtime; a server's configurations "
+                            "come from --profiles")
     if args.get("negative_control"):
         raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
     if args.get("speculative", "off") != "off":
@@ -410,6 +413,9 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
     head = args.get("lm_head") or "f32"
     if head not in LM_HEADS:
         raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
+    weights = args.get("weights") or "f32"  # (a manifest from before the option: f32)
+    if weights not in WEIGHT_PRECISIONS:
+        raise MoebenchError(f"--weights '{weights}': choose from {', '.join(WEIGHT_PRECISIONS)}")
     if args["ablate"]:
         switches, others = parse_axes(args.get("axes"))
         spec_axis, head_axis = SPECULATIVE_AXIS in others, LM_HEAD_AXIS in others
@@ -418,12 +424,15 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if head != "f32" and not head_axis:
             raise MoebenchError(f"--lm-head {head} with --ablate: add lm-head to --axes (the run then ablates {head})")
         heads = ((head,) if head != "f32" else LOW_PRECISION_HEADS) if head_axis else ()
+        if weights != "f32" and WEIGHTS_AXIS not in others:
+            raise MoebenchError(f"--weights {weights} with --ablate: add weights to --axes (the run then ablates {weights})")
+        precisions = ((weights,) if weights != "f32" else LOW_PRECISION_WEIGHTS) if WEIGHTS_AXIS in others else ()
         return ablation_matrix(switches, factorial=args["factorial"],
                                speculative=(method if method != "off" else "ngram") if spec_axis else None,
-                               lm_heads=heads)
+                               lm_heads=heads, weights=precisions)
     if args.get("axes"):
         raise MoebenchError("--axes needs --ablate")
-    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head)]
+    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head, weights=weights)]
 
 
 def _load_model(path: Path, runtime):

@@ -34,7 +34,7 @@ from typing import Optional
 import typer
 
 from moebench.errors import MoebenchError
-from moebench.options import ADMISSION, BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, OFFLOAD_TIER, PREFETCH, SCHEDULER, TEMPERATURE, THREADS, TOP_K, TOP_P, check_sampling_options
+from moebench.options import ADMISSION, BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, OFFLOAD_TIER, PREFETCH, SCHEDULER, TEMPERATURE, THREADS, TOP_K, TOP_P, WEIGHTS, check_sampling_options
 from moebench.serve_requests import ApiError, RequestParser, _bad, load_chat_template
 from moebench.serve_engine_client import EngineClient, Event, Handle
 from moebench.serve_stream import TextStream
@@ -343,6 +343,7 @@ def serve_command(
     kernel: str = KERNEL,
     scheduler: str = SCHEDULER,
     prefetch: str = PREFETCH,
+    weights: str = WEIGHTS,
     batch_size: int = BATCH_SIZE,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="max_tokens of a request that gives none (capped by the context left)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt plus max_tokens limit per request (default: the model's max_position_embeddings)."),
@@ -384,7 +385,7 @@ def serve_command(
     runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
                             batch_size=batch_size, max_new_tokens=max_new_tokens, admission=admission,
                             expert_budget=_parse_budget(expert_budget or "1.0"),
-                            offload_tier=resolve_tier(offload_tier, device))
+                            offload_tier=resolve_tier(offload_tier, device), weights=weights)
     if threads is None and device == "cpu":
         threads = 1
     if max_model_len is not None and max_model_len < 2:
