@@ -451,7 +451,7 @@ class EngineSession:
         if rt.weights != "f32":
             from moebench.engine.weight_evidence import weights_errors
 
-            errors += weights_errors(evidence.get("weights"), rt.device, evidence["prefetch"].get("expert_dtype"))
+            errors += weights_errors(evidence.get("weights"), evidence["prefetch"].get("expert_dtype"))
         return errors
 
 

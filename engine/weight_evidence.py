@@ -6,8 +6,6 @@ Counters are per process: an engine takes the difference over its own run, as th
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # dtype names as the kernels report them (kernels/csrc/dense_cpu.cpp), per --weights precision
@@ -56,16 +54,12 @@ def _dtype(w: torch.Tensor | None) -> str | None:
     return str(w.dtype).replace("torch.", "") if w is not None else None
 
 
-def weights_errors(evidence: dict | None, device: str, experts_dtype: str | None = None) -> list[str]:
+def weights_errors(evidence: dict | None, experts_dtype: str | None = None) -> list[str]:
     """--weights int8 must be seen where it ran: the model holds int8 matrices, the expert store int8
-    rows (`experts_dtype`, the store's evidence), and on the CPU the dense kernel streamed int8 rows
-    (and the fused MoE kernel, where it ran, int8 experts and nothing wider). Float rows the dense
-    kernel streamed beside them are the routers (float32 by design, docs/int8.md). A run whose
-    projections all ran in torch is accepted only with MOEBENCH_ALLOW_FALLBACK=1 or
-    MOEBENCH_DENSE_KERNEL=torch."""
-    from moebench.engine.fallbacks import fallback_allowed
-    from moebench.kernels import cpu_dense
-
+    rows (`experts_dtype`, the store's evidence), the dense kernel, where it ran, streamed int8 rows
+    (float rows beside them are the routers, float32 by design, docs/int8.md), the fused MoE kernel,
+    where it ran, int8 experts and nothing wider, and some projection ran with int8 weights. (A run
+    of prefills only runs its projections in torch, on many rows: that is where they belong.)"""
     precision = (evidence or {}).get("precision", "f32")
     if precision == "f32":
         return []
@@ -81,9 +75,10 @@ def weights_errors(evidence: dict | None, device: str, experts_dtype: str | None
     wide = {d: c for d, c in (kernel.get("experts") or {}).items() if d != want}
     if wide:
         errors.append(f"--weights {precision}: the MoE kernel streamed experts in {', '.join(sorted(wide))}")
-    if want not in (kernel.get("dense") or {}) and device == "cpu":
-        chose_torch = os.environ.get(cpu_dense.DISABLE_ENV, "kernel") == "torch"
-        if not (fallback_allowed() or chose_torch):
-            errors.append(f"--weights {precision}: the dense kernel never streamed {want} weights "
-                          f"(int8 calls in torch: {(evidence.get('torch') or {}).get(want, 0)})")
+    dense, in_torch = kernel.get("dense") or {}, (evidence.get("torch") or {}).get(want, 0)
+    if dense and want not in dense:
+        errors.append(f"--weights {precision}: the dense kernel streamed {', '.join(sorted(dense))} weights and never "
+                      f"{want} (int8 calls in torch: {in_torch})")
+    elif not dense and not in_torch:
+        errors.append(f"--weights {precision}: no projection ran with {want} weights")
     return errors

@@ -156,9 +156,11 @@ def test_an_int8_config_whose_kernels_streamed_float_is_an_activation_error():
     evidence = {"precision": "int8", "held": {"dense": "float32", "experts": "float32"},
                 "kernel": {"dense": {"float32": {"calls": 3, "bytes": 10}}, "experts": {"float32": {"calls": 1, "bytes": 9}}},
                 "torch": {}}
-    errors = weights_errors(evidence, "cpu", "float32")
+    errors = weights_errors(evidence, "float32")
     assert len(errors) == 5, errors
-    assert weights_errors(dict(evidence, precision="f32"), "cpu", "float32") == []
+    assert weights_errors(dict(evidence, kernel={"dense": {}, "experts": {}}, held={})) == [
+        "--weights int8: no projection ran with int8 weights"]
+    assert weights_errors(dict(evidence, precision="f32"), "float32") == []
 
 
 def test_weights_axis_is_approximate():
