@@ -241,14 +241,17 @@ def decode_bytes_per_step(steps: list[dict]) -> float:
     return sum(decode) / len(decode)
 
 
-def step_weight_bytes(ckpt) -> tuple[int, int]:
+def step_weight_bytes(ckpt, lm_head: str = "f32") -> tuple[int, int]:
     """(bytes of the weights every decode step reads besides the routed experts, bytes of one expert),
     as the runtime holds them (a bfloat16 checkpoint's stay bfloat16 on the CPU; --weights int8: the
-    int8 rows with their scales, engine/quantize.py weights_in)."""
+    int8 rows with their scales, engine/quantize.py weights_in), the LM head in `lm_head` precision."""
     from moebench.engine.families import non_expert_bytes_per_step
+    from moebench.engine.quantize import lm_head_bytes
 
     layer = next(layer for layer in ckpt.layers if layer.w13 is not None)
-    return non_expert_bytes_per_step(ckpt, 4), (layer.w13[0].nbytes + layer.w2[0].nbytes)
+    V, H = ckpt.lm_head.shape
+    head = lm_head_bytes(V, H, lm_head, 4) - V * H * ckpt.lm_head.element_size() if lm_head != "f32" else 0
+    return non_expert_bytes_per_step(ckpt, 4) + head, (layer.w13[0].nbytes + layer.w2[0].nbytes)
 
 
 def gguf_weight_bytes(path: Path, cfg) -> tuple[int, int]:
@@ -393,7 +396,7 @@ def bench_engine_command(
         dtype, gguf_dtype = held, gguf_dtype or held
         from moebench.engine.quantize import weights_in
 
-        our_weights = their_weights = step_weight_bytes(weights_in(ckpt, weights))
+        our_weights = their_weights = step_weight_bytes(weights_in(ckpt, weights), lm_head)
         moe_layers = sum(ckpt.config.is_moe_layer(i) for i in range(ckpt.config.num_layers))
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), prompt_len), generator=g).tolist()
