@@ -134,6 +134,8 @@ SCHEDULERS = ("static", "continuous")
 PREFETCHERS = ("off", "lookahead")
 DECODE_PATHS = ("auto", "native", "chained", "eager")  # engine/decode_path.py CHOICES
 LM_HEADS = ("f32", "bf16", "int8", "fp8")  # the LM head's weight precision (engine/quantize.py); approximate
+# the other streamed weights' precision (--weights; engine/quantize.py: weights_in); int8 is approximate
+WEIGHT_PRECISIONS = ("f32", "int8")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,9 @@ class RuntimeConfig:
     spec_tokens: int = 4
     spec_max_batch: int | None = None
     lm_head: str = "f32"  # f32: the checkpoint's own head; bf16, int8, fp8 change answers (approximate)
+    # the precision of the matrices a decode step streams besides the LM head: f32 the checkpoint's
+    # own, int8 per output row (engine/quantize.py: weights_in; approximate, docs/int8.md)
+    weights: str = "f32"
     store: StoreTuning = field(default_factory=StoreTuning)
 
     def __post_init__(self):
@@ -187,6 +192,7 @@ class RuntimeConfig:
             ("prefetch", self.prefetch, PREFETCHERS),
             ("decode path", self.decode_path, DECODE_PATHS),
             ("LM head precision", self.lm_head, LM_HEADS),
+            ("weight precision", self.weights, WEIGHT_PRECISIONS),
         ):
             if value not in allowed:
                 raise MoebenchError(f"unknown {name} '{value}' (choose from: {', '.join(allowed)})")
@@ -199,6 +205,8 @@ class RuntimeConfig:
         check_spec(self.speculative, self.spec_tokens, self.spec_max_batch)
         if self.device not in ("cpu", "cuda"):
             raise MoebenchError(f"unknown device '{self.device}' (choose cpu or cuda)")
+        if self.weights != "f32" and self.device != "cpu":
+            raise MoebenchError(f"--weights {self.weights} runs on the CPU kernels only (not {self.device})")
         if self.batch_size < 1:
             raise MoebenchError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_new_tokens < 1:

@@ -100,7 +100,10 @@ def non_expert_bytes_per_step(ckpt, element_size: int) -> int:
     # the attention projections in the dtype they are held in (a bfloat16 checkpoint's stay so on
     # the CPU: loader.keeps_dense_in_checkpoint_dtype), the LM head in its own
     dense = torch.empty(0, dtype=ckpt.dense_dtype).element_size()
-    return cfg.num_layers * attn * dense + cfg.vocab_size * cfg.hidden_size * ckpt.lm_head.element_size()
+    head = cfg.vocab_size * cfg.hidden_size * ckpt.lm_head.element_size()
+    if getattr(ckpt, "weights", "f32") != "f32":  # --weights int8: the matrices as held, with their scales
+        return sum(w.qkv_proj.nbytes + w.o_proj.nbytes for w in ckpt.layers) + head
+    return cfg.num_layers * attn * dense + head
 
 
 def cache_bytes_per_step(cfg, context_tokens: int, num_sequences: int, element_size: int) -> int:

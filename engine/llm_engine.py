@@ -75,6 +75,13 @@ def _new_token_ids(s: Sequence) -> list[int]:
 
 class Engine:
     def __init__(self, ckpt: Checkpoint, tokenizer, runtime: RuntimeConfig):
+        if runtime.weights != "f32":  # the streamed matrices in that precision (--weights, docs/int8.md)
+            from moebench.engine.quantize import weights_in
+
+            if ckpt.config.family == "bailing_hybrid":
+                raise MoebenchError(f"--weights {runtime.weights}: the {ckpt.config.family} model runs its "
+                                    "checkpoint's own weights only")
+            ckpt = weights_in(ckpt, runtime.weights)
         self.ckpt = ckpt
         self.cfg = ckpt.config
         self.tokenizer = tokenizer
@@ -249,18 +256,23 @@ class Engine:
 
             elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
             # experts in the dtype the store holds them in (bfloat16 rows of a bfloat16 checkpoint on the CPU)
-            expert_elt = torch.empty(0, dtype=store_layout(self.ckpt, self.runtime)[0]).element_size()
+            expert_dtype = store_layout(self.ckpt, self.runtime)[0]
+            per_expert = cfg.expert_param_count * torch.empty(0, dtype=expert_dtype).element_size()
+            if expert_dtype == torch.int8:  # each of an expert's rows carries its scale (--weights int8)
+                from moebench.engine.quantize import PACKED_EXTRA
+
+                per_expert += PACKED_EXTRA * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
             moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-            other = non_expert_bytes_per_step(self.ckpt, elt)
+            other = non_expert_bytes_per_step(self.ckpt, elt)  # int8 attention matrices as held (families.py)
             if self.runtime.lm_head != "f32":  # the head read in its own precision (--lm-head)
                 from moebench.engine.quantize import lm_head_bytes
 
                 V, H = cfg.vocab_size, cfg.hidden_size
                 # non_expert_bytes_per_step counted the head as held (a bf16 checkpoint's: bfloat16)
                 other += lm_head_bytes(V, H, self.runtime.lm_head, elt) - V * H * self.ckpt.lm_head.element_size()
-            self._read_sizes = (elt, expert_elt, moe_layers, other)
-        elt, expert_elt, moe_layers, other = self._read_sizes
-        expert_bytes = stats_experts["distinct_experts"] * moe_layers * cfg.expert_param_count * expert_elt
+            self._read_sizes = (elt, per_expert, moe_layers, other)
+        elt, per_expert, moe_layers, other = self._read_sizes
+        expert_bytes = stats_experts["distinct_experts"] * moe_layers * per_expert
         kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) + reread_tokens
         kv = cache_bytes_per_step(cfg, kv_tokens, len(seqs), elt)
         return int(expert_bytes + other + kv)
@@ -415,6 +427,8 @@ class EngineSession:
             "speculative": self.speculator.evidence() if self.speculator else {"method": "off"},
             # the LM head's precision and what its kernel streamed, by weight dtype (engine/model.py)
             **({"lm_head": self.model.lm_head_evidence()} if hasattr(self.model, "lm_head_evidence") else {}),
+            # the weights' precision and what the kernels streamed of them, by weight dtype (engine/model.py)
+            **({"weights": self.model.weights_evidence()} if hasattr(self.model, "weights_evidence") else {}),
         }
 
     def activation_errors(self, evidence: dict, num_requests: int) -> list[str]:
@@ -434,6 +448,10 @@ class EngineSession:
             from moebench.engine.model import lm_head_errors
 
             errors += lm_head_errors(evidence.get("lm_head"), rt.device)
+        if rt.weights != "f32":
+            from moebench.engine.weight_evidence import weights_errors
+
+            errors += weights_errors(evidence.get("weights"), evidence["prefetch"].get("expert_dtype"))
         return errors
 
 

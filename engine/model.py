@@ -202,6 +202,11 @@ class MoeTransformer:
         self.lm_head_dtype = lm_head
         self.head_weight, self.head_scale = lm_head_for(ckpt, lm_head)
         self._head_counts_start = self._head_counts()
+        # the other weights' precision (--weights: engine/quantize.py weights_in made the checkpoint) and
+        # what the kernels streamed of them from here on (engine/weight_evidence.py)
+        from moebench.engine.weight_evidence import WeightsEvidence
+
+        self._weights = WeightsEvidence(getattr(ckpt, "weights", "f32"), ckpt, ckpt.embed.device.type)
         # the native call ends with the LM head where the kernel streams it (its logits are returned)
         self._native_lm_head = cpu_dense.head_streams(self.head_weight, self.head_scale)
         self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode")
@@ -300,7 +305,7 @@ class MoeTransformer:
                 self._native_layers = self._build_native_layers() or False
                 if not self._native_layers:  # decode_path.decide checked the runtime: never quietly chained
                     raise MoebenchError("decode path 'native' cannot run: the experts are not all resident "
-                                        "float32 or bfloat16 rows of one dtype for the fused C++ kernel")
+                                        "float32, bfloat16 or int8 rows of one dtype for the fused C++ kernel")
         return self._native_layers or None
 
     def _build_native_layers(self):
@@ -436,6 +441,12 @@ class MoeTransformer:
         torch_calls = {d: n - start["torch"].get(d, 0) for d, n in now["torch"].items() if n > start["torch"].get(d, 0)}
         return {"precision": self.lm_head_dtype, "stored_dtype": str(self.head_weight.dtype).replace("torch.", ""),
                 "kernel": kernel, "torch": torch_calls}
+
+
+    def weights_evidence(self) -> dict:
+        """--weights: the precision, the dtypes held, and what the kernels streamed since this model was
+        built, by kind (dense, experts) and weight dtype (engine/weight_evidence.py)."""
+        return self._weights.evidence()
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")

@@ -136,7 +136,7 @@ class MoeBlock:
                 and type(self.prefetcher) is NoPrefetch and cpu_backend() == BACKEND_CPP):
             return None
         weights = [w for pair in self.store.experts.values() for w in pair]
-        if not all(w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.stride(-1) == 1
+        if not all(w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.int8) and w.stride(-1) == 1
                    and w.dtype == weights[0].dtype for w in weights):
             return None
         return self.store.experts

@@ -1,7 +1,9 @@
-"""Weight-only round-to-nearest quantization of the routed experts: the negative control.
+"""Weight-only round-to-nearest quantization: the negative control (the routed experts), the LM head's
+precision (--lm-head) and the other streamed weights' precision (--weights int8).
 
-It is deliberately approximate (symmetric per-group RTN, dequantized back to the compute dtype),
-so answers DO change; a run that includes it proves the accuracy check can detect a change.
+The negative control is deliberately approximate (symmetric per-group RTN, dequantized back to the
+compute dtype), so answers DO change; a run that includes it proves the accuracy check can detect a
+change.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import copy
 
 import torch
 
+from moebench.engine.config import WEIGHT_PRECISIONS  # noqa: F401 (f32: the checkpoint's own precision)
 from moebench.errors import MoebenchError
+from moebench.kernels.reference import PACKED_EXTRA  # a packed row's scale and padding bytes
 
 SCHEMES = {"int4": 4, "int3": 3, "int2": 2}
 
@@ -77,15 +81,26 @@ def quantize_lm_head(w: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.T
     wf = w.float()
     if dtype == "bf16":
         return wf.to(torch.bfloat16), None
-    top = INT8_MAX if dtype == "int8" else FP8_E4M3_MAX
-    # an all-zero row gets scale 1 (its values are 0 in any format)
-    amax = wf.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    scaled = wf / scale[:, None]
     if dtype == "int8":
-        q = torch.clamp(torch.round(scaled), -INT8_MAX, INT8_MAX).to(torch.int8)
-    else:
-        q = torch.clamp(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return int8_rows(wf)
+    scale = _row_scale(wf, FP8_E4M3_MAX)
+    q = torch.clamp(wf / scale[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def _row_scale(wf: torch.Tensor, top: float) -> torch.Tensor:
+    """Each row's (last dimension's) largest magnitude over `top`; an all-zero row gets 1 (its values
+    are 0 in any format)."""
+    amax = wf.abs().amax(dim=-1)
+    return torch.where(amax > 0, amax / top, torch.ones_like(amax))
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scale float32) with one scale per row of the last dimension (any leading dims):
+    scale = the row's max |w| / 127, q = round(w / scale) in [-127, 127], so w ~ q * scale."""
+    wf = w.float()
+    scale = _row_scale(wf, INT8_MAX)
+    q = torch.clamp(torch.round(wf / scale[..., None]), -INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale.contiguous()
 
 
@@ -108,3 +123,74 @@ def lm_head_bytes(vocab: int, hidden: int, dtype: str, full_element_size: int) -
     size) and, for int8 and fp8, a float32 scale per row."""
     per_value = {"f32": full_element_size, "bf16": 2, "int8": 1, "fp8": 1}[dtype]
     return vocab * hidden * per_value + (4 * vocab if dtype in ("int8", "fp8") else 0)
+
+
+# ---- the weights' precision (--weights): 8-bit weights a decode step streams ----------------------
+#
+# Weight-only, per output channel: every matrix a decode step streams, except the routers, the
+# embeddings and the LM head (--lm-head), is held as int8 with one float32 scale per output row
+# (int8_rows, as the int8 LM head), and the kernels widen the bytes in registers and accumulate in
+# float32 (docs/int8.md). The scale lives in the row itself (pack_int8_rows): an expert store moves
+# an expert's scales with its rows, and every op that took a float matrix takes the packed one.
+
+
+def pack_int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] -> int8 [..., K + 8]: each row's int8 values (int8_rows), then its float32 scale's 4
+    bytes, then 4 zero bytes (kernels/csrc/cpu_common.h reads this layout; K a multiple of 4 keeps
+    the scales aligned)."""
+    *lead, k = w.shape
+    if k % 4:
+        raise MoebenchError(f"--weights int8: rows of {k} values (the kernels need a multiple of 4)")
+    q, scale = int8_rows(w)
+    out = torch.zeros(*lead, k + PACKED_EXTRA, dtype=torch.int8, device=w.device)
+    out[..., :k] = q
+    out[..., k:k + 4] = scale.unsqueeze(-1).view(torch.int8)
+    return out
+
+
+def packed_columns(w: torch.Tensor) -> int:
+    """The input width K of a matrix: its last dimension, less 8 for packed int8 rows."""
+    return w.shape[-1] - (PACKED_EXTRA if w.dtype == torch.int8 else 0)
+
+
+# the per-layer matrices a decode step streams that --weights int8 quantizes (routers stay float32:
+# they decide which experts run, and are 2% of a step's bytes at the benchmark shape, docs/int8.md)
+_LAYER_MATRICES = ("qkv_proj", "o_proj", "w13", "w2", "dense_w13", "dense_w2", "shared_w13", "shared_w2")
+
+
+def weights_in(ckpt, precision: str):
+    """The checkpoint with its weights in `precision`: f32 is `ckpt` itself; int8 a copy (made once per
+    checkpoint) sharing every tensor except the matrices of _LAYER_MATRICES, which are packed int8
+    rows. Its `weights` attribute names the precision."""
+    if precision not in WEIGHT_PRECISIONS:
+        raise MoebenchError(f"unknown weight precision '{precision}' (choose from: {', '.join(WEIGHT_PRECISIONS)})")
+    if precision == "f32":
+        return ckpt
+    made = ckpt.__dict__.setdefault("_weight_variants", {})
+    if precision in made:
+        return made[precision]
+    from moebench.engine.memory import to_huge_pages
+
+    out = copy.copy(ckpt)
+    out.__dict__.pop("_weight_variants", None)
+    on_disk = {}
+    if ckpt.expert_sources and any(layer.w13 is None and layer.router is not None for layer in ckpt.layers):
+        from moebench.engine.store.expert_store import read_all_experts
+        from moebench.engine.store.tiers import expert_file_dtype
+
+        on_disk = read_all_experts(ckpt, expert_file_dtype(ckpt))
+    out.expert_sources = {}  # the int8 experts exist only in memory: no file a disk tier could read
+    out.layers = []
+    for i, layer in enumerate(ckpt.layers):
+        q = copy.copy(layer)
+        if i in on_disk:
+            q.w13, q.w2 = on_disk[i]
+        for name in _LAYER_MATRICES:
+            w = getattr(q, name, None)
+            if isinstance(w, torch.Tensor) and w.is_floating_point():
+                packed = pack_int8_rows(w)
+                setattr(q, name, to_huge_pages(packed) if packed.device.type == "cpu" else packed)
+        out.layers.append(q)
+    out.weights = precision
+    made[precision] = out
+    return out

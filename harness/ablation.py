@@ -6,7 +6,8 @@ are plain decoding's, greedy or sampled): its configs are named `speculative=ngr
 switches) and `all+speculative=ngram` (every ablated switch on), and held to the identical-output
 claim like the switches. The LM head's precision (`lm-head`, another axis) is approximate: its
 configs are named `lm-head=int8` (or `kernel+lm-head=int8` stacked on switches), marked approximate,
-and held to no identical-output claim, only to the accuracy verdicts."""
+and held to no identical-output claim, only to the accuracy verdicts. So is the other weights'
+precision (`weights`, --weights int8, docs/int8.md): `weights=int8`, `kernel+weights=int8`."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from moebench.errors import MoebenchError
 SWITCHES = ("kernel", "scheduler", "prefetch")
 SPECULATIVE_AXIS = "speculative"
 LM_HEAD_AXIS = "lm-head"
-AXES = SWITCHES + (SPECULATIVE_AXIS, LM_HEAD_AXIS)
+WEIGHTS_AXIS = "weights"
+AXES = SWITCHES + (SPECULATIVE_AXIS, LM_HEAD_AXIS, WEIGHTS_AXIS)
 FULL_HEAD = "f32"
+FULL_WEIGHTS = "f32"  # the checkpoint's own precision
+LOW_PRECISION_WEIGHTS = ("int8",)  # what the weights axis ablates
 LOW_PRECISION_HEADS = ("bf16", "int8", "fp8")  # what the lm-head axis ablates unless --lm-head names one
 OFF = {"kernel": "naive", "scheduler": "static", "prefetch": "off"}
 ON = {"kernel": "fused", "scheduler": "continuous", "prefetch": "lookahead"}
@@ -36,10 +40,11 @@ class ConfigPoint:
     expert_budget: str | None = None
     speculative: str | None = None  # a point of the speculative axis: its method (None: the run's setting)
     lm_head: str = FULL_HEAD  # the LM head's weight precision: f32 (as loaded), bf16, int8, fp8
+    weights: str = FULL_WEIGHTS  # the other streamed weights' precision: f32 (as loaded), int8
 
     @property
     def approximate(self) -> bool:
-        return self.quantize != "none" or self.lm_head != FULL_HEAD
+        return self.quantize != "none" or self.lm_head != FULL_HEAD or self.weights != FULL_WEIGHTS
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "kernel": self.kernel, "scheduler": self.scheduler, "prefetch": self.prefetch}
@@ -47,6 +52,8 @@ class ConfigPoint:
             d.update(quantize=self.quantize)
         if self.lm_head != FULL_HEAD:
             d.update(lm_head=self.lm_head)
+        if self.weights != FULL_WEIGHTS:
+            d.update(weights=self.weights)
         if self.approximate:
             d.update(approximate=True)
         if self.expert_budget is not None:
@@ -81,16 +88,18 @@ def config_name(kernel: str, scheduler: str, prefetch: str) -> str:
     return "+".join(on)
 
 
-def point(kernel: str, scheduler: str, prefetch: str, lm_head: str = FULL_HEAD) -> ConfigPoint:
+def point(kernel: str, scheduler: str, prefetch: str, lm_head: str = FULL_HEAD,
+          weights: str = FULL_WEIGHTS) -> ConfigPoint:
     name = config_name(kernel, scheduler, prefetch)
-    if lm_head != FULL_HEAD:
-        name = f"{LM_HEAD_AXIS}={lm_head}" if name == "baseline" else f"{name}+{LM_HEAD_AXIS}={lm_head}"
-    return ConfigPoint(name, kernel, scheduler, prefetch, lm_head=lm_head)
+    for axis, value, full in ((WEIGHTS_AXIS, weights, FULL_WEIGHTS), (LM_HEAD_AXIS, lm_head, FULL_HEAD)):
+        if value != full:
+            name = f"{axis}={value}" if name == "baseline" else f"{name}+{axis}={value}"
+    return ConfigPoint(name, kernel, scheduler, prefetch, lm_head=lm_head, weights=weights)
 
 
 def parse_axes(text: str | None) -> tuple[tuple[str, ...], frozenset[str]]:
     """`--axes kernel,speculative,lm-head` -> (the switches to ablate, in SWITCHES order; the other axes
-    named: speculative, lm-head). None: the three switches, no other axis."""
+    named: speculative, lm-head, weights). None: the three switches, no other axis."""
     if text is None:
         return SWITCHES, frozenset()
     names = [a.strip() for a in text.split(",") if a.strip()]
@@ -112,13 +121,15 @@ def speculative_points(available: tuple[str, ...], method: str) -> list[ConfigPo
 
 
 def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False,
-                    speculative: str | None = None, lm_heads: tuple[str, ...] = ()) -> list[ConfigPoint]:
+                    speculative: str | None = None, lm_heads: tuple[str, ...] = (),
+                    weights: tuple[str, ...] = ()) -> list[ConfigPoint]:
     """Baseline, each available optimization alone, all of them stacked; or every combination.
 
     Stacked prefixes (kernel, kernel+scheduler) are added too, so the report can draw the waterfall.
     `speculative` (a method) adds the speculative axis's points (speculative_points). Each precision
     of `lm_heads` then adds the baseline with that LM head and, where switches are ablated too, every
-    available switch on with that LM head (what a user would deploy).
+    available switch on with that LM head (what a user would deploy); each precision of `weights`
+    likewise.
     """
     def build(on: set[str]) -> ConfigPoint:
         return point(**{s: (ON[s] if s in on else OFF[s]) for s in SWITCHES})
@@ -140,13 +151,17 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
         points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], lm_head=head))
         if available:
             points.append(point(**{s: (ON[s] if s in available else OFF[s]) for s in SWITCHES}, lm_head=head))
+    for precision in weights:
+        points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], weights=precision))
+        if available:
+            points.append(point(**{s: (ON[s] if s in available else OFF[s]) for s in SWITCHES}, weights=precision))
     return points
 
 
 def runtime_for(base, cfg: ConfigPoint):
     """The RuntimeConfig one point of the matrix runs: the run's settings with its switches."""
     rt = replace(base, kernel=cfg.kernel, scheduler=cfg.scheduler, prefetch=cfg.prefetch,
-                 lm_head=getattr(cfg, "lm_head", FULL_HEAD))
+                 lm_head=getattr(cfg, "lm_head", FULL_HEAD), weights=getattr(cfg, "weights", FULL_WEIGHTS))
     if getattr(cfg, "speculative", None) is not None:  # a point of the speculative axis
         rt = replace(rt, speculative=cfg.speculative)
     if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget

@@ -37,7 +37,7 @@ from .cpu_moe import load_extension
 
 __all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
            "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained", "lm_head", "lm_head_stats",
-           "lm_head_stats_torch", "head_streams"]
+           "lm_head_stats_torch", "head_streams", "weight_stats"]
 
 DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
 # Above this many rows a projection has enough arithmetic per weight for MKL's blocked GEMM
@@ -55,8 +55,10 @@ def dense_kernel_enabled() -> bool:
 
 
 def weight_streams(weight: Tensor) -> bool:
-    """Whether `weight` is one the extension's kernel streams: float32 or bfloat16 [M, K], rows contiguous."""
-    return weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16) and weight.stride(-1) == 1
+    """Whether `weight` is one the extension's kernel streams: float32 or bfloat16 [M, K], or int8 rows
+    with their scales [M, K + 8] (--weights int8, reference.unpack_int8_rows), rows contiguous."""
+    return (weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.int8)
+            and weight.stride(-1) == 1 and (weight.dtype != torch.int8 or weight.stride(0) % 4 == 0))
 
 
 def rows_stream(x: Tensor) -> bool:
@@ -71,6 +73,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + 1
         return load_extension().dense_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
+    if weight.dtype == torch.int8:  # int8 rows with their scales (prefill rows, or no extension)
+        from .reference import rows_linear_reference
+
+        _torch_weight_calls["int8"] = _torch_weight_calls.get("int8", 0) + 1
+        out = rows_linear_reference(x, weight)
+        return out + bias if bias is not None else out
     if weight.dtype != x.dtype:  # a bfloat16 checkpoint's matrix, float32 rows (prefill): widened, exactly
         weight = weight.to(x.dtype)
     return F.linear(x, weight, bias)
@@ -79,6 +87,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # what lm_head_linear streams
 
 _torch_head_calls: dict[str, int] = {}
+_torch_weight_calls: dict[str, int] = {}  # int8 rows with their scales that ran in torch (weight_stats)
 
 
 def head_streams(weight: Tensor, scale: Tensor | None) -> bool:
@@ -117,6 +126,17 @@ def lm_head_stats() -> dict:
     ext = load_extension() if dense_kernel_enabled() else None
     kernel = {k: dict(v) for k, v in ext.lm_head_stats().items()} if ext is not None and hasattr(ext, "lm_head_stats") else {}
     return {"kernel": kernel, "torch": dict(_torch_head_calls)}
+
+
+def weight_stats() -> dict:
+    """Weights the kernels streamed so far in this process, besides the LM head: {"kernel": {"dense":
+    {weight dtype: {"calls", "bytes"}}, "experts": {...}}} as the extension counted them (bytes: rows
+    and, for int8, their scales), and {"torch": {"int8": calls}}: int8 projections that ran in torch
+    (prefill rows, no extension). The activation evidence of --weights (docs/int8.md)."""
+    ext = load_extension()
+    kernel = ({kind: {k: dict(v) for k, v in d.items()} for kind, d in ext.weight_stats().items()}
+              if ext is not None and hasattr(ext, "weight_stats") else {})
+    return {"kernel": kernel, "torch": dict(_torch_weight_calls)}
 
 
 def lm_head_stats_torch() -> dict:

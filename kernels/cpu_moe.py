@@ -77,9 +77,9 @@ def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
                   backends: dict | None = None) -> Tensor:
     """Fused SwiGLU MoE on CPU. x [N, H]; topk_weights/topk_ids [N, k]; w13 [E, 2I, H]; w2 [E, H, I].
 
-    float32 weights (and bfloat16 weights, widened in registers) run in the C++ kernel with
-    float32 activations and accumulation; other dtypes, or a missing extension, use the torch
-    fallback. Returns [N, H] in x.dtype. `backends` (a dict), when given, counts the implementation
+    float32 weights (and bfloat16 weights, widened in registers, and int8 rows with their scales,
+    --weights int8) run in the C++ kernel with float32 activations and accumulation; other dtypes,
+    or a missing extension, use the torch fallback (int8 rows dequantized to x's dtype first). Returns [N, H] in x.dtype. `backends` (a dict), when given, counts the implementation
     that computed the call: BACKEND_CPP, BACKEND_TORCH, and BACKEND_LOOP per matmul that fell back
     from the grouped one to a per-expert loop (the activation evidence of kernel=fused).
     """
@@ -87,7 +87,7 @@ def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
     if (
         ext is not None
         and w13.dtype == w2.dtype
-        and w13.dtype in (torch.float32, torch.bfloat16)
+        and w13.dtype in (torch.float32, torch.bfloat16, torch.int8)
         and x.dtype in (torch.float32, torch.bfloat16)
     ):
         xf = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
@@ -111,6 +111,10 @@ def fused_moe_cpu_torch(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: 
     """The fused algorithm in torch ops: sort the pairs once, one grouped matmul for gate and up
     together, SiLU(gate) * up, one grouped matmul for down, routed weight, top-k sum.
     No per-expert Python loop when torch._grouped_mm is available (torch >= 2.8 on CPU)."""
+    if w13.dtype == torch.int8:  # int8 rows with their scales: dequantized for the grouped matmuls
+        from .reference import unpack_int8_rows
+
+        w13, w2 = ((v.to(x.dtype) * s[..., None].to(x.dtype)) for v, s in map(unpack_int8_rows, (w13, w2)))
     n, k = topk_ids.shape
     e, two_i, h_dim = w13.shape
     inter = two_i // 2

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index", "lm_head_reference"]
+__all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index", "lm_head_reference",
+           "unpack_int8_rows", "rows_linear_reference"]
 
 
 def topk_lowest_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -106,9 +107,9 @@ def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
             continue
         tokens = token_of[start : start + count]
         xs = x[tokens]
-        w = w13[expert].to(x.dtype)  # bfloat16 rows widen exactly (the store's dtype, expert_store_dtype)
-        h = F.silu(xs @ w[:inter].T) * (xs @ w[inter:].T)
-        pairs[order[start : start + count]] = (h @ w2[expert].to(x.dtype).T) * weight_of[start : start + count, None]
+        w = w13[expert]
+        h = F.silu(rows_linear_reference(xs, w[:inter])) * rows_linear_reference(xs, w[inter:])
+        pairs[order[start : start + count]] = rows_linear_reference(h, w2[expert]) * weight_of[start : start + count, None]
         start += count
     pairs = pairs.view(n, k, -1)
     out = pairs[:, 0].clone()
@@ -125,3 +126,24 @@ def lm_head_reference(x: Tensor, w: Tensor, scale: Tensor | None = None) -> Tens
     for the duration of the call)."""
     out = x.float() @ w.float().T
     return out * scale.float() if scale is not None else out
+
+
+# int8 rows that carry their scale (--weights int8; engine/quantize.py: pack_int8_rows, read by
+# kernels/csrc/cpu_common.h): each row is its K int8 values, its float32 scale, 4 bytes of padding.
+PACKED_EXTRA = 8
+
+
+def unpack_int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(values int8 [..., K], scale float32 [...]) of int8 rows that carry their scale [..., K + 8]."""
+    k = w.shape[-1] - PACKED_EXTRA
+    return w[..., :k], w[..., k:k + 4].contiguous().view(torch.float32)[..., 0]
+
+
+def rows_linear_reference(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T in x's dtype for a float weight (a bfloat16 one widened exactly first); for int8 rows
+    with their scales, x @ values.T times each row's scale, in that order, as the kernels compute it
+    (lm_head_reference)."""
+    if w.dtype == torch.int8:
+        values, scale = unpack_int8_rows(w)
+        return lm_head_reference(x, values, scale).to(x.dtype)
+    return x @ w.to(x.dtype).T

@@ -98,6 +98,8 @@ def expert_store_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -
     compute in bfloat16: every kernel gets the compute dtype then."""
     from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
 
+    if stored == torch.int8:  # int8 rows with their scales (--weights int8): every kernel reads them
+        return stored
     widen = device == "cpu" and compute == torch.float32 and stored == torch.bfloat16
     return stored if widen and cpu_backend() == BACKEND_CPP else compute
 
@@ -118,9 +120,10 @@ def make_store_and_prefetcher(ckpt, runtime):
     cfg = ckpt.config
     tier_name = resolve_tier(runtime.offload_tier, runtime.device)
     substituted = None
-    if tier_name == "disk" and getattr(ckpt, "quantized", None):
-        # a negative control's quantized experts exist only in memory: no file holds them
-        tier_name, substituted = "host", f"disk -> host: the {ckpt.quantized} experts exist only in memory"
+    in_memory_only = getattr(ckpt, "quantized", None) or (ckpt.weights if getattr(ckpt, "weights", "f32") != "f32" else None)
+    if tier_name == "disk" and in_memory_only:
+        # a negative control's quantized experts, or --weights int8's, exist only in memory: no file holds them
+        tier_name, substituted = "host", f"disk -> host: the {in_memory_only} experts exist only in memory"
     dtype, slots = store_layout(ckpt, runtime)
     if slots >= cfg.num_experts:
         store = ResidentStore(ckpt, runtime.expert_budget, dtype)

@@ -115,7 +115,10 @@ _EXPERT_COPIES: dict[tuple, dict] = {}
 
 
 def expert_file_dtype(ckpt) -> torch.dtype:
-    """The dtype routed experts are stored in (the header of the file holding the first one)."""
+    """The dtype routed experts are stored in (the header of the file holding the first one; int8 for
+    a checkpoint whose experts were packed in memory by --weights int8, engine/quantize.py)."""
+    if getattr(ckpt, "weights", "f32") == "int8":
+        return torch.int8
     if ckpt.expert_sources:
         f, name = next(iter(ckpt.expert_sources.values()))[0]
         meta = read_safetensors_header(Path(f))[1].get(name, {})

@@ -1,5 +1,5 @@
 """The `moebench` command line: one typer app; each command's options live in a module of moebench.cli
-(bench-engine's and `engines build-llamacpp`'s still beside their logic), which calls the layer that does the work.
+(`engines build-llamacpp`'s still beside the build it runs), which calls the layer that does the work.
 
 `moebench --help`, every subcommand's `--help` and every usage error must answer at once, even
 on a loaded machine, so a command module imports nothing heavy (torch, transformers, pandas,
@@ -35,7 +35,7 @@ from moebench.cli import export, gate, kernels, models, plan, profiles, report, 
 from moebench.cli.lm_eval import lm_eval_command  # noqa: E402
 from moebench.cli.run import run_command  # noqa: E402
 from moebench.cli.serve import serve_command  # noqa: E402
-from moebench.measuring.bench_engine import bench_engine_command  # noqa: E402
+from moebench.cli.bench_engine import bench_engine_command  # noqa: E402
 
 app.command("run")(run_command)
 app.command("report")(report.report_command)

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from moebench.errors import MoebenchError
-from moebench.cli.options import BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, PREFETCH, SCHEDULER, THREADS, cpu_threads
+from moebench.cli.options import BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, PREFETCH, SCHEDULER, THREADS, WEIGHTS, cpu_threads
 
 
 def lm_eval_command(
@@ -26,6 +26,7 @@ def lm_eval_command(
     kernel: str = KERNEL,
     scheduler: str = SCHEDULER,
     prefetch: str = PREFETCH,
+    weights: str = WEIGHTS,
     batch_size: int = BATCH_SIZE,
     max_gen_toks: int = typer.Option(256, "--max-gen-toks", help="Generation limit when a task gives none."),
     expert_budget: Optional[str] = EXPERT_BUDGET,
@@ -63,7 +64,7 @@ def lm_eval_command(
             raise MoebenchError(f"--tasks: unknown to lm-eval: {', '.join(unknown)}")
         lm = MoebenchLM(model=str(model) if model else None, kernel=kernel, scheduler=scheduler, prefetch=prefetch,
                         batch_size=batch_size, max_gen_toks=max_gen_toks, expert_budget=expert_budget or "1.0",
-                        device=device, threads=cpu_threads(threads, device))
+                        device=device, threads=cpu_threads(threads, device), weights=weights)
         try:
             selection = _selection(task_names, manager, offset, limit) if offset else None
             _quiet_git_lookup()

@@ -41,6 +41,13 @@ LM_HEAD = typer.Option(
     help="LM head weight precision: f32 (default, as loaded), bf16, int8 or fp8 (e4m3; int8 and fp8 with a "
          "scale per output row; float32 accumulation). Approximate: answers may change.")
 
+WEIGHTS = typer.Option(
+    "f32", "--weights",
+    help="Weight precision of what a decode step streams besides the LM head (attention projections, dense "
+         "MLPs, routed experts): f32 (default: the checkpoint's own, float32 or bfloat16) or int8 (one float32 "
+         "scale per output row, weight-only, float32 accumulation; routers stay float32). Approximate: answers "
+         "may change (docs/int8.md).")
+
 
 def cpu_threads(threads: Optional[int], device: str) -> Optional[int]:
     """The torch thread count a command sets: 1 on the CPU unless given; None leaves torch's own."""

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from moebench.cli.options import (ADMISSION, BATCH_SIZE, DECODE_PATH, DEVICE, EXPERT_BUDGET, KERNEL, LM_HEAD, OFFLOAD_TIER,
+from moebench.cli.options import (ADMISSION, BATCH_SIZE, DECODE_PATH, DEVICE, EXPERT_BUDGET, KERNEL, LM_HEAD, OFFLOAD_TIER, WEIGHTS,
                                   PREFETCH, SCHEDULER, SPEC_MAX_BATCH, SPEC_TOKENS, SPECULATIVE, TEMPERATURE, THREADS,
                                   TOP_K, TOP_P)
 
@@ -24,8 +24,9 @@ def run_command(
     prefetch: str = PREFETCH,
     ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
     factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
-    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim."),
+    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head, weights (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim; so is weights (weights=int8)."),
     lm_head: Optional[str] = LM_HEAD,
+    weights: str = WEIGHTS,
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
     warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
     batch_size: int = BATCH_SIZE,
@@ -66,7 +67,7 @@ def run_command(
         args = dict(
             model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
-            factorial=factorial, axes=axes, lm_head=lm_head, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            factorial=factorial, axes=axes, lm_head=lm_head, weights=weights, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,

@@ -1,4 +1,4 @@
-"""`moebench serve`: its options, checked before the model loads; the server itself is moebench.serve."""
+"""`moebench serve`: its options, checked before the model loads; the server itself is moebench.serve.app."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from moebench.cli.options import (ADMISSION, BATCH_SIZE, DEVICE, EXPERT_BUDGET, KERNEL, OFFLOAD_TIER, PREFETCH, SCHEDULER,
-                                  TEMPERATURE, THREADS, TOP_K, TOP_P)
+                                  TEMPERATURE, THREADS, TOP_K, TOP_P, WEIGHTS)
 from moebench.errors import MoebenchError
 
 
@@ -34,6 +34,7 @@ def serve_command(
     temperature: float = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
+    weights: str = WEIGHTS,
 ):
     """Serve the runtime behind an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     import socket
@@ -65,7 +66,7 @@ def serve_command(
     runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
                             batch_size=batch_size, max_new_tokens=max_new_tokens, admission=admission,
                             expert_budget=_parse_budget(expert_budget or "1.0"),
-                            offload_tier=resolve_tier(offload_tier, device))
+                            offload_tier=resolve_tier(offload_tier, device), weights=weights)
     if threads is None and device == "cpu":
         threads = 1
     if max_model_len is not None and max_model_len < 2:

@@ -43,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -64,9 +63,9 @@ class BundledSide:
     """The bundled runtime in this process (with an LM head in `lm_head` precision)."""
 
     def __init__(self, ckpt, kernel: str, scheduler: str, decode_path: str = "native", lm_head: str = "f32",
-                 name: str = "moebench"):
+                 name: str = "moebench", weights: str = "f32"):
         self.ckpt, self.kernel, self.scheduler, self.decode_path = ckpt, kernel, scheduler, decode_path
-        self.lm_head, self.name = lm_head, name
+        self.lm_head, self.name, self.weights = lm_head, name, weights
         self.last_steps: list[dict] = []
         self.last_evidence: dict = {}
 
@@ -79,7 +78,7 @@ class BundledSide:
         engine = Engine(self.ckpt, None, RuntimeConfig(kernel=self.kernel, scheduler=self.scheduler,
                                                        decode_path=self.decode_path,
                                                        batch_size=len(prompts), max_new_tokens=new_tokens,
-                                                       lm_head=self.lm_head))
+                                                       lm_head=self.lm_head, weights=self.weights))
         reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
         start = time.perf_counter()
         result = engine.generate(reqs, prompt_ids=prompts)
@@ -240,13 +239,17 @@ def decode_bytes_per_step(steps: list[dict]) -> float:
     return sum(decode) / len(decode)
 
 
-def step_weight_bytes(ckpt) -> tuple[int, int]:
+def step_weight_bytes(ckpt, lm_head: str = "f32") -> tuple[int, int]:
     """(bytes of the weights every decode step reads besides the routed experts, bytes of one expert),
-    as the runtime holds them (a bfloat16 checkpoint's stay bfloat16 on the CPU)."""
+    as the runtime holds them (a bfloat16 checkpoint's stay bfloat16 on the CPU; --weights int8: the
+    int8 rows with their scales, engine/quantize.py weights_in), the LM head in `lm_head` precision."""
     from moebench.engine.families import non_expert_bytes_per_step
+    from moebench.engine.quantize import lm_head_bytes
 
-    w13 = next(layer.w13 for layer in ckpt.layers if layer.w13 is not None)
-    return non_expert_bytes_per_step(ckpt, 4), ckpt.config.expert_param_count * w13.element_size()
+    layer = next(layer for layer in ckpt.layers if layer.w13 is not None)
+    V, H = ckpt.lm_head.shape
+    head = lm_head_bytes(V, H, lm_head, 4) - V * H * ckpt.lm_head.element_size() if lm_head != "f32" else 0
+    return non_expert_bytes_per_step(ckpt, 4) + head, (layer.w13[0].nbytes + layer.w2[0].nbytes)
 
 
 def gguf_weight_bytes(path: Path, cfg) -> tuple[int, int]:
@@ -311,25 +314,26 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def bench_engine_command(
-    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory; default: a random 0.89B Qwen3-MoE (8 layers, hidden 1024, 128 experts top-8, width 256, vocab 32000) written to a temp dir."),
-    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process), llama.cpp (llama-server on the checkpoint exported to an F32 GGUF) or moebench (the runtime itself with its float32 LM head: with --lm-head, that head's speedup)."),
-    batch: list[int] = typer.Option([1, 16], "--batch", help="Batch sizes to measure (repeat the option)."),
-    threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread counts to measure (repeat the option); default: every core of the machine, the count that measured fastest for both engines at batch 1 and 16 (docs/cpu-decode.md)."),
-    prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens per request."),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated per request."),
-    repeats: int = typer.Option(3, "--repeats", help="Interleaved rounds; medians over rounds are shown."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Override the random model's layer count (smaller = faster)."),
-    kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
-    scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="The runtime's weights: f32 or bf16. The random checkpoint is written in it (default f32); with --model, the checkpoint's own type (the default) and no other. llama.cpp gets a GGUF of the same type unless --gguf-dtype says."),
-    gguf_dtype: Optional[str] = typer.Option(None, "--gguf-dtype", help="llama.cpp's GGUF weight type: f32, f16, bf16 or q8_0 (default: --dtype). f16 has bf16's bytes per weight; take whichever of the two llama.cpp runs faster on the CPU at hand."),
-    decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
-    lm_head: str = typer.Option("f32", "--lm-head", help="The runtime's LM head precision: f32, bf16, int8 or fp8 (weight-only, float32 accumulation; approximate). --vs moebench times it against the float32 head."),
-    hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
-    hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the figures, settings and machine as JSON here (a manifest of the benchmark)."),
-):
+def bench_engine(
+    model: Optional[Path],
+    vs: str,
+    batch: list[int],
+    threads: Optional[list[int]],
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    layers: Optional[int],
+    kernel: str,
+    scheduler: str,
+    dtype: Optional[str],
+    gguf_dtype: Optional[str],
+    decode_path: str,
+    lm_head: str,
+    weights: str,
+    hf_experts: str,
+    hf_huge_pages: bool,
+    out: Optional[Path],
+) -> None:
     """Decode tok/s of the bundled runtime against transformers or llama.cpp on one checkpoint, with
     bytes per step, the roofline at the bandwidth measured in the same run, and greedy agreement."""
     if vs not in VS_CHOICES:
@@ -342,8 +346,11 @@ def bench_engine_command(
         raise MoebenchError(f"--kernel {kernel!r} / --scheduler {scheduler!r}: expected naive|fused, static|continuous")
     if lm_head not in ("f32", "bf16", "int8", "fp8"):
         raise MoebenchError(f"--lm-head {lm_head!r}: choose from f32, bf16, int8, fp8")
-    if vs == "moebench" and lm_head == "f32":
-        raise MoebenchError("--vs moebench times the runtime against its float32 LM head: give --lm-head bf16, int8 or fp8")
+    if vs == "moebench" and lm_head == "f32" and weights == "f32":
+        raise MoebenchError("--vs moebench times the runtime against its checkpoint's own weights: give --lm-head "
+                            "bf16, int8 or fp8, or --weights int8")
+    if weights not in ("f32", "int8"):
+        raise MoebenchError(f"--weights {weights!r}: choose from f32, int8")
     default_threads = threads is None or not threads
     thread_counts = sorted(set(threads)) if not default_threads else [default_thread_count()]
     if any(t < 1 for t in thread_counts):
@@ -385,7 +392,9 @@ def bench_engine_command(
             raise MoebenchError(f"--model {path}: the checkpoint's weights are {ckpt.checkpoint_dtype}, not --dtype "
                                 f"{dtype} (the runtime computes with the checkpoint's own; choose from {', '.join(DTYPES)})")
         dtype, gguf_dtype = held, gguf_dtype or held
-        our_weights = their_weights = step_weight_bytes(ckpt)
+        from moebench.engine.quantize import weights_in
+
+        our_weights = their_weights = step_weight_bytes(weights_in(ckpt, weights), lm_head)
         moe_layers = sum(ckpt.config.is_moe_layer(i) for i in range(ckpt.config.num_layers))
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), prompt_len), generator=g).tolist()
@@ -397,7 +406,7 @@ def bench_engine_command(
         if vs == "moebench":  # the same runtime with the checkpoint's own (float32) LM head
             del hf
             gc.collect()
-            other = BundledSide(ckpt, kernel, scheduler, decode_path, "f32", name="moebench f32 head")
+            other = BundledSide(ckpt, kernel, scheduler, decode_path, "f32", name="moebench f32 head" if weights == "f32" else f"moebench {dtype}")
         elif vs == "llama.cpp":
             del hf
             gc.collect()
@@ -410,8 +419,9 @@ def bench_engine_command(
         else:
             other = hf
             their_weights = float32_weight_bytes(ckpt)
-        bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head,
-                              name="moebench" if lm_head == "f32" else f"moebench {lm_head} head")
+        bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head, weights=weights,
+                              name="moebench" + (f" {weights}" if weights != "f32" else "")
+                              + (f" {lm_head} head" if lm_head != "f32" else ""))
 
         rows = []
         try:
@@ -485,9 +495,9 @@ def bench_engine_command(
             if isinstance(other, LlamaServerSide):
                 other.stop()
 
-        weights = f"{bundled.name} {dtype}, {other.name} " + (
+        weight_note = f"{bundled.name} {dtype if weights == 'f32' else weights}, {other.name} " + (
             gguf_dtype if isinstance(other, LlamaServerSide) else "f32" if isinstance(other, TransformersSide) else dtype)
-        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled, weights)
+        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled, weight_note)
         if out is not None:
             from moebench.fileio import atomic_write_json
 
@@ -497,7 +507,7 @@ def bench_engine_command(
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                 "dtype": dtype, "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
                 "gguf_dtype": gguf_dtype if isinstance(other, LlamaServerSide) else None,
-                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "batches": batches, "threads": thread_counts,
+                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "weights": weights, "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
                 "machine": describe_machine(measure_bandwidth=False),
                 "runtime_evidence": bundled.last_evidence,

@@ -46,12 +46,12 @@ def _bool(value) -> bool:
 class MoebenchLM(LM):
     """model_args: model (checkpoint dir; default the bundled model), kernel, scheduler, prefetch,
     batch_size, max_gen_toks (default 256), expert_budget, offload_tier, admission, device, threads,
-    seed (of the sampling streams; default 0)."""
+    seed (of the sampling streams; default 0), weights (f32 or int8, --weights)."""
 
     def __init__(self, model: str | None = None, kernel: str = "naive", scheduler: str = "static",
                  prefetch: str = "off", batch_size: int | str = 16, max_gen_toks: int = 256,
                  expert_budget: str | float = "1.0", offload_tier: str = "host", admission: str = "affinity",
-                 device: str = "cpu", threads: int | None = 1, seed: int | str = 0, **unused):
+                 device: str = "cpu", threads: int | None = 1, seed: int | str = 0, weights: str = "f32", **unused):
         super().__init__()
         import torch
 
@@ -65,7 +65,7 @@ class MoebenchLM(LM):
         self.runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
                                      batch_size=int(batch_size), max_new_tokens=int(max_gen_toks),
                                      admission=admission, expert_budget=_parse_budget(str(expert_budget)),
-                                     offload_tier=offload_tier)
+                                     offload_tier=offload_tier, weights=weights)
         if threads:
             torch.set_num_threads(int(threads))
         self.model_path = Path(model) if model else bundled_model_path()

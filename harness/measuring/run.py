@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 
 
-from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, OFF, SPECULATIVE_AXIS, SWITCHES, ConfigPoint,
+from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, LOW_PRECISION_WEIGHTS, OFF, SPECULATIVE_AXIS, SWITCHES,
+                               WEIGHTS_AXIS, ConfigPoint,
                                ablation_matrix, negative_control, parse_axes, point, resident_reference)
 from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
 from moebench.ablation import runtime_for as _runtime_for
 from moebench.models.bundled import BUNDLED_MODEL, bundled_model_path  # noqa: F401 (imported from here)
-from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS
+from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS, WEIGHT_PRECISIONS
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
 from moebench.engine.sampling import check_sampling_options
@@ -280,8 +281,9 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
     for switch in SWITCHES:
         if args[switch] != OFF[switch]:
             raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
-    if args.get("lm_head") or args.get("axes"):
-        raise MoebenchError("--lm-head and --axes are for the bundled runtime; a server's configurations come from --profiles")
+    if args.get("lm_head") or args.get("axes") or args.get("weights", "f32") != "f32":
+        raise MoebenchError("--lm-head, --weights and --axes are for the bundled runtime; a server's configurations "
+                            "come from --profiles")
     if args.get("negative_control"):
         raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
     if args.get("speculative", "off") != "off":
@@ -349,6 +351,9 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
     head = args.get("lm_head") or "f32"
     if head not in LM_HEADS:
         raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
+    weights = args.get("weights") or "f32"  # (a manifest from before the option: f32)
+    if weights not in WEIGHT_PRECISIONS:
+        raise MoebenchError(f"--weights '{weights}': choose from {', '.join(WEIGHT_PRECISIONS)}")
     if args["ablate"]:
         switches, others = parse_axes(args.get("axes"))
         spec_axis, head_axis = SPECULATIVE_AXIS in others, LM_HEAD_AXIS in others
@@ -357,12 +362,15 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if head != "f32" and not head_axis:
             raise MoebenchError(f"--lm-head {head} with --ablate: add lm-head to --axes (the run then ablates {head})")
         heads = ((head,) if head != "f32" else LOW_PRECISION_HEADS) if head_axis else ()
+        if weights != "f32" and WEIGHTS_AXIS not in others:
+            raise MoebenchError(f"--weights {weights} with --ablate: add weights to --axes (the run then ablates {weights})")
+        precisions = ((weights,) if weights != "f32" else LOW_PRECISION_WEIGHTS) if WEIGHTS_AXIS in others else ()
         return ablation_matrix(switches, factorial=args["factorial"],
                                speculative=(method if method != "off" else "ngram") if spec_axis else None,
-                               lm_heads=heads)
+                               lm_heads=heads, weights=precisions)
     if args.get("axes"):
         raise MoebenchError("--axes needs --ablate")
-    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head)]
+    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head, weights=weights)]
 
 
 def _load_model(path: Path, runtime):

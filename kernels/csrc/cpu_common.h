@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -38,6 +39,24 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+
+// ---- int8 rows that carry their scale (--weights int8) ------------------------------------
+// A matrix quantized per output row (engine/quantize.py: pack_int8_rows) is one int8 tensor whose
+// rows are K + kPackedExtra bytes: the row's K values, its float32 scale, 4 bytes of padding. An
+// expert store then moves an expert's scales with its rows, as one tensor (kernels/reference.py:
+// unpack_int8_rows reads the same layout). A row's dot product with the stored values is
+// multiplied by its scale at the end; float32 and bfloat16 rows have none (1: the same sum).
+constexpr int64_t kPackedExtra = 8;
+inline float packed_scale(const int8_t* row, int64_t K) {
+  float s;
+  std::memcpy(&s, row + K, sizeof(float));
+  return s;
+}
+template <typename W>
+inline float row_scale(const W* row, int64_t K) {
+  if constexpr (std::is_same_v<W, int8_t>) return packed_scale(row, K);
+  else return 1.0f;
+}
 
 // fp8 e4m3fn weights (also row-scaled), widened in registers: this CPU has no fp8 arithmetic. The
 // byte's 7 exponent and mantissa bits are moved to the top of a float32's exponent and mantissa
@@ -176,8 +195,20 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 // out [N, M] (contiguous) = x [N, K] (rows ldx apart) @ w.T (+ bias [M]); w as dense_linear takes it.
 // w may also be int8 or float8_e4m3fn (an LM head): then row_scale [M] multiplies each row's sum
 // (before the bias); float32 and bfloat16 weights take no scale (null).
+// w may also be int8 rows that carry their scale (K + kPackedExtra bytes each, --weights int8): then
+// row_scale is null and each row's own scale is read. `count`: add the weights streamed to
+// weight_stats as dense weights (the LM head's callers count it in lm_head_stats instead).
 void dense_linear_into(const float* x, int64_t ldx, int64_t N, int64_t K, const torch::Tensor& w, const float* bias,
-                       float* out, const float* row_scale = nullptr);
+                       float* out, const float* row_scale = nullptr, bool count = true);
+
+// Whether w is int8 rows carrying their scale for K input columns ([M, K + kPackedExtra], rows contiguous).
+inline bool packed_int8(const torch::Tensor& w, int64_t K) {
+  return w.scalar_type() == torch::kChar && w.dim() >= 2 && w.size(-1) == K + moebench_cpu::kPackedExtra &&
+         w.stride(-1) == 1 && w.stride(-2) % 4 == 0 && K % 4 == 0;  // the scales are aligned floats
+}
+// Weights the kernels streamed (weight_stats, the activation evidence of --weights): `which` 0 for
+// dense projections (attention, routers, dense MLPs), 1 for routed experts; bytes of rows and scales.
+void count_weights(int which, torch::ScalarType dtype, int64_t bytes);
 
 // Counts one LM-head projection that ran in the kernel with weight w (its dtype and the bytes of w
 // and its row scale): the activation evidence of a low-precision LM head (lm_head_stats).

@@ -77,14 +77,14 @@ class DecodeLayers {
       Layer l;
       l.qkv_w = matrix(qkv_w[i], hidden_, "qkv_w");
       // the workspace is sized from the first layer's shapes: every layer must have them
-      TORCH_CHECK(i == 0 || (l.qkv_w.size(0) == qkv_rows_ && o_w[i].size(1) == attention_width_),
+      TORCH_CHECK(i == 0 || (l.qkv_w.size(0) == qkv_rows_ && input_columns(o_w[i]) == attention_width_),
                   "DecodeLayers: every layer's qkv_w and o_w must have the first layer's shapes");
       qkv_rows_ = l.qkv_w.size(0);
       if (qkv_b[i].has_value() && qkv_b[i]->defined()) l.qkv_b = vector_of(*qkv_b[i], qkv_rows_, "qkv_b");
       TORCH_CHECK(q_norm[i].has_value() == k_norm[i].has_value(), "DecodeLayers: q_norm and k_norm go together");
-      l.o_w = matrix(o_w[i], o_w[i].size(1), "o_w");
+      l.o_w = matrix(o_w[i], input_columns(o_w[i]), "o_w");
       TORCH_CHECK(l.o_w.size(0) == hidden_, "DecodeLayers: o_w must have hidden rows");
-      attention_width_ = l.o_w.size(1);
+      attention_width_ = input_columns(l.o_w);
       head_dim_ = attention_width_ / num_heads_;
       TORCH_CHECK(head_dim_ * num_heads_ == attention_width_, "DecodeLayers: o_w's columns are not heads x head_dim");
       if (q_norm[i].has_value()) {
@@ -94,11 +94,16 @@ class DecodeLayers {
       l.post_norm = vector_of(post_norm[i], hidden_, "post_norm");
       l.router = matrix(router[i], hidden_, "router");
       TORCH_CHECK(l.router.size(0) == experts_, "DecodeLayers: every router must score the same experts");
+      const bool packed = w13[i].scalar_type() == torch::kChar;  // int8 rows with their scales (--weights int8)
+      const int64_t extra = packed ? moebench_cpu::kPackedExtra : 0, inter = w13[i].size(1) / 2;
       TORCH_CHECK(w13[i].dim() == 3 && w2[i].dim() == 3 && w13[i].size(0) == experts_ && w2[i].size(0) == experts_ &&
-                      w13[i].size(2) == hidden_ && w2[i].size(1) == hidden_ && w13[i].size(1) == 2 * w2[i].size(2) &&
-                      w13[i].stride(2) == 1 && w2[i].stride(2) == 1 && w13[i].scalar_type() == w2[i].scalar_type() &&
-                      (w13[i].scalar_type() == torch::kFloat32 || w13[i].scalar_type() == torch::kBFloat16),
-                  "DecodeLayers: w13 must be [E, 2I, hidden] and w2 [E, hidden, I], float32 or bfloat16, rows contiguous");
+                      w13[i].size(2) == hidden_ + extra && w2[i].size(1) == hidden_ && w2[i].size(2) == inter + extra &&
+                      w13[i].size(1) == 2 * inter && w13[i].stride(2) == 1 && w2[i].stride(2) == 1 &&
+                      w13[i].scalar_type() == w2[i].scalar_type() &&
+                      (w13[i].scalar_type() == torch::kFloat32 || w13[i].scalar_type() == torch::kBFloat16 ||
+                       (packed && packed_int8(w13[i], hidden_) && packed_int8(w2[i], inter))),
+                  "DecodeLayers: w13 must be [E, 2I, hidden] and w2 [E, hidden, I], float32 or bfloat16, rows contiguous, "
+                  "or int8 rows with their scales [E, 2I, hidden + 8] and [E, hidden, I + 8]");
       l.w13 = w13[i];
       l.w2 = w2[i];
       l.next_norm = vector_of(next_norm[i], hidden_, "next_norm");
@@ -176,7 +181,7 @@ class DecodeLayers {
       if (lm_head_.has_value()) {
         const bool scaled = lm_head_scale_.has_value() && lm_head_scale_->defined();
         dense_linear_into(x, hidden_, B, hidden_, *lm_head_, nullptr, result.data_ptr<float>(),
-                          scaled ? lm_head_scale_->data_ptr<float>() : nullptr);
+                          scaled ? lm_head_scale_->data_ptr<float>() : nullptr, /*count=*/false);
         count_lm_head(*lm_head_, scaled);
         clock.lap(kLmHead);
       } else {
@@ -245,12 +250,20 @@ class DecodeLayers {
     return count;
   }
 
-  // w as float32 [rows, cols] or bfloat16 with contiguous rows, as dense_linear reads it
+  // w as float32 [rows, cols] or bfloat16 with contiguous rows, or int8 rows with their scales
+  // [rows, cols + 8] (--weights int8), as dense_linear reads it
   static torch::Tensor matrix(const torch::Tensor& w, int64_t cols, const char* name) {
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == cols && w.stride(1) == 1 &&
-                    (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
-                "DecodeLayers: ", name, " must be float32 or bfloat16 [rows, ", cols, "] with contiguous rows");
+    TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 &&
+                    ((w.size(1) == cols && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16)) ||
+                     packed_int8(w, cols)),
+                "DecodeLayers: ", name, " must be float32 or bfloat16 [rows, ", cols, "] with contiguous rows, or int8 "
+                "rows with their scales [rows, ", cols + moebench_cpu::kPackedExtra, "]");
     return w;
+  }
+
+  // The input width of a weight matrix: its columns, less a row's scale and padding for int8 rows
+  static int64_t input_columns(const torch::Tensor& w) {
+    return w.size(1) - (w.scalar_type() == torch::kChar ? moebench_cpu::kPackedExtra : 0);
   }
 
   // w as the float32 contiguous [n] vector the ops convert it to

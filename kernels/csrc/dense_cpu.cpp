@@ -270,15 +270,18 @@ inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t k0, int6
 constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
 
 // A row's sum times its scale (row-scaled int8 / fp8 weights; none for float weights), plus its bias.
-inline float finish_row(float sum, const float* scale, const float* bias, int64_t r) {
-  if (scale != nullptr) sum *= scale[r];
+// Row r's scale is scale[r * ss]: ss is 1 for a separate scale vector (an LM head), the row stride in
+// floats for int8 rows that carry their scale (--weights int8).
+inline float finish_row(float sum, const float* scale, int64_t ss, const float* bias, int64_t r) {
+  if (scale != nullptr) sum *= scale[r * ss];
   return bias != nullptr ? sum + bias[r] : sum;
 }
 
 // out[t, r] = dot(x[t], w[r]) (* scale[r]) (+ bias[r]) for rows [r0, r1) and all N tokens.
 template <typename W>
 void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t N, const W* w, int64_t ldw,
-                const float* bias, const float* scale, int64_t K, float* out, int64_t ldo, int64_t r0, int64_t r1) {
+                const float* bias, const float* scale, int64_t ss, int64_t K, float* out, int64_t ldo, int64_t r0,
+                int64_t r1) {
   if (N <= kStreamedTokens) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
     float rows_out[kRowsPerItem * 3];
     const float* xs[3] = {x, x + ldx, x + 2 * ldx};
@@ -286,7 +289,7 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
                                                        K, rows_out);
     for (int64_t i = 0; i < r1 - r0; ++i)
       for (int64_t t = 0; t < N; ++t)
-        out[t * ldo + r0 + i] = scale != nullptr ? finish_row(rows_out[i * N + t], scale, bias, r0 + i)
+        out[t * ldo + r0 + i] = scale != nullptr ? finish_row(rows_out[i * N + t], scale, ss, bias, r0 + i)
                                                  : rows_out[i * N + t] + (bias != nullptr ? bias[r0 + i] : 0.0f);
     return;
   }
@@ -331,7 +334,7 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
         for (int64_t t = 0; t < n; ++t) {
           float sum = hsum(acc[g * kSlab + t]);
           for (int64_t kk = K8; kk < K; ++kk) sum += load1(row + kk) * xs[t * ldx + kk];
-          out[(s0 + t) * ldo + r] = scale != nullptr ? finish_row(sum, scale, bias, r)
+          out[(s0 + t) * ldo + r] = scale != nullptr ? finish_row(sum, scale, ss, bias, r)
                                                      : sum + (bias != nullptr ? bias[r] : 0.0f);
         }
       }
@@ -343,7 +346,7 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
       const float* token = x + t * ldx;
       float dot;
       moebench_cpu::dot_streams<moebench_cpu::RowSum::kDense, 1, 1>(&row, &token, K, &dot);
-      out[t * ldo + r] = scale != nullptr ? finish_row(dot, scale, bias, r) : dot + (bias != nullptr ? bias[r] : 0.0f);
+      out[t * ldo + r] = scale != nullptr ? finish_row(dot, scale, ss, bias, r) : dot + (bias != nullptr ? bias[r] : 0.0f);
     }
   }
 }
@@ -355,11 +358,12 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
               "dense_linear: x must be float32 [N, K] with contiguous rows");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 &&
-                  (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
-              "dense_linear: w must be float32 or bfloat16 [M, K] with contiguous rows");
   const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "dense_linear: x has ", K, " columns, w ", w.size(1));
+  TORCH_CHECK((w.dim() == 2 && w.stride(1) == 1 && w.size(1) == K &&
+               (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16)) ||
+                  (w.dim() == 2 && packed_int8(w, K)),
+              "dense_linear: w must be float32 or bfloat16 [M, ", K, "] with contiguous rows, or int8 rows with their "
+              "scale [M, ", K + moebench_cpu::kPackedExtra, "]; got ", w.scalar_type(), " ", w.sizes());
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(torch::kFloat32).contiguous();
@@ -373,7 +377,7 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 }
 
 void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const torch::Tensor& w, const float* bp,
-                       float* op, const float* sp) {
+                       float* op, const float* sp, bool count) {
   const int64_t M = w.size(0), ldw = w.stride(0);
   if (N == 0 || M == 0) return;
   const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
@@ -382,16 +386,25 @@ void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const
   const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
   std::unique_ptr<PackedTokens> packed;
   if (N > kStreamedTokens) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
-  auto run = [&](const auto* wp, const float* scale) {
+  auto run = [&](const auto* wp, const float* scale, int64_t ss = 1) {
     parallel_for(items, threads, [&](int64_t i) {
-      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, scale, K, op, M, i * kRowsPerItem,
+      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, scale, ss, K, op, M, i * kRowsPerItem,
                  std::min(M, (i + 1) * kRowsPerItem));
     });
   };
+  if (count) count_weights(0, w.scalar_type(), M * ldw * w.element_size());
   switch (w.scalar_type()) {
     case torch::kFloat32: run(w.data_ptr<float>(), nullptr); break;
     case torch::kBFloat16: run(w.data_ptr<at::BFloat16>(), nullptr); break;
-    case torch::kChar: run(w.data_ptr<int8_t>(), sp); break;
+    case torch::kChar:
+      if (sp == nullptr) {  // rows that carry their scale: row r's is the float after its K values
+        TORCH_CHECK(packed_int8(w, K), "dense_linear_into: int8 weights need a row scale or rows of K + ",
+                    moebench_cpu::kPackedExtra, " bytes");
+        run(w.data_ptr<int8_t>(), reinterpret_cast<const float*>(w.data_ptr<int8_t>() + K), ldw / 4);
+      } else {
+        run(w.data_ptr<int8_t>(), sp);
+      }
+      break;
     case torch::kFloat8_e4m3fn: run(w.data_ptr<c10::Float8_e4m3fn>(), sp); break;
     default: TORCH_CHECK(false, "dense_linear_into: unsupported weight dtype ", w.scalar_type());
   }
@@ -425,6 +438,20 @@ void count_lm_head(const torch::Tensor& w, bool scaled) {
   g_head_bytes[i].fetch_add(w.numel() * w.element_size() + (scaled ? w.size(0) * 4 : 0), std::memory_order_relaxed);
 }
 
+namespace {
+// Weights the kernels streamed, by kind (dense projections, routed experts) and dtype: bytes and calls.
+constexpr const char* kWeightKinds[2] = {"dense", "experts"};
+std::atomic<int64_t> g_weight_calls[2][kHeadDtypes];
+std::atomic<int64_t> g_weight_bytes[2][kHeadDtypes];
+}  // namespace
+
+void count_weights(int which, torch::ScalarType dtype, int64_t bytes) {
+  const int i = head_dtype_index(dtype);
+  if (i < 0) return;
+  g_weight_calls[which][i].fetch_add(1, std::memory_order_relaxed);
+  g_weight_bytes[which][i].fetch_add(bytes, std::memory_order_relaxed);
+}
+
 // The checks of an LM head's weight and scale (dense_linear's, widened to int8 / fp8 with a scale).
 void check_lm_head(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale, int64_t K, const char* who) {
   const bool quantized = w.scalar_type() == torch::kChar || w.scalar_type() == torch::kFloat8_e4m3fn;
@@ -450,9 +477,26 @@ torch::Tensor lm_head_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   auto out = torch::empty({x.size(0), w.size(0)}, x.options());
   pybind11::gil_scoped_release no_gil;
   dense_linear_into(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), w, nullptr, out.data_ptr<float>(),
-                    scaled ? scale->data_ptr<float>() : nullptr);
+                    scaled ? scale->data_ptr<float>() : nullptr, /*count=*/false);
   count_lm_head(w, scaled);
   return out;
+}
+
+pybind11::dict weight_stats() {
+  pybind11::dict d;
+  for (int k = 0; k < 2; ++k) {
+    pybind11::dict kind;
+    for (int i = 0; i < kHeadDtypes; ++i) {
+      const int64_t calls = g_weight_calls[k][i].load(std::memory_order_relaxed);
+      if (calls == 0) continue;
+      pybind11::dict one;
+      one["calls"] = calls;
+      one["bytes"] = g_weight_bytes[k][i].load(std::memory_order_relaxed);
+      kind[kHeadDtypeNames[i]] = one;
+    }
+    d[kWeightKinds[k]] = kind;
+  }
+  return d;
 }
 
 pybind11::dict lm_head_stats() {
@@ -527,6 +571,9 @@ void register_dense(pybind11::module& m) {
         "x @ w.T for an LM head of float32, bfloat16, or int8 / fp8 e4m3 weights with a float32 scale per row "
         "(float32 accumulation), on the step's thread pool; counted in lm_head_stats",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale") = pybind11::none());
+  m.def("weight_stats", &weight_stats,
+        "Weights streamed by the kernels so far, {dense, experts} -> weight dtype -> calls and bytes (rows and "
+        "scales; the LM head is in lm_head_stats)");
   m.def("lm_head_stats", &lm_head_stats, "LM-head projections run in the kernel so far, by weight dtype: calls and bytes streamed");
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "

@@ -20,7 +20,9 @@
 // loaded into a register is reused across up to three tokens.
 //
 // Weights may be float32 or bfloat16 (widened to float32 in registers: this is a plain shift,
-// and halves the bytes streamed); activations and accumulation are float32.
+// and halves the bytes streamed), or int8 rows that carry a float32 scale each (--weights int8,
+// cpu_common.h: a quarter of float32's bytes; each row's sum is multiplied by its scale);
+// activations and accumulation are float32.
 // The weight tensors may be any strided view whose last dimension is contiguous: an expert
 // store hands in a pool of slots that changes between calls, so nothing is pre-packed.
 
@@ -41,6 +43,14 @@ using moebench_cpu::load1;
 using moebench_cpu::load8;
 using moebench_cpu::parallel_for;
 using moebench_cpu::RowSum;
+
+// A row's dot product times its scale: int8 rows carry one (cpu_common.h); float rows are left as
+// they are (not multiplied by 1: no instruction is added to their path).
+template <typename W>
+inline float scaled(float sum, const W* row, int64_t K) {
+  if constexpr (std::is_same_v<W, int8_t>) return sum * moebench_cpu::packed_scale(row, K);
+  else return sum;
+}
 
 // out[r * T + t] = dot(w[r][0:K], x[t][0:K]) for R weight rows and T tokens.
 // R * T accumulators plus T activation registers must fit in the 16 ymm registers.
@@ -192,6 +202,9 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   // A small layer (a few hundred KB of weights) is done in microseconds by one thread; handing
   // work to another would cost more, and much more when another process holds a core.
   const double bytes = static_cast<double>(A) * 3.0 * H * I * sizeof(W) + 4.0 * P * (H + I);
+  // what this call streams of the experts' rows (and, int8, of their scales): weight_stats
+  count_weights(1, std::is_same_v<W, float> ? torch::kFloat32 : std::is_same_v<W, int8_t> ? torch::kChar : torch::kBFloat16,
+                A * (2 * I * s13r + H * s2r) * static_cast<int64_t>(sizeof(W)));
   if (bytes < kMinParallelBytes) num_threads = 1;
 
   // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
@@ -205,10 +218,11 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     if (n <= 3) {  // the block's gate rows and up rows read as streams (cpu_common.h)
       const int64_t m = j1 - j0;
       float o[2 * kGateUpBlock * 3];
-      dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; },
-                                         2 * m, n, xs, H, o);
+      auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
+      dot_rows_streamed<RowSum::kMoe, W>(row, 2 * m, n, xs, H, o);
       for (int64_t t = 0; t < n; ++t)
-        for (int64_t jj = 0; jj < m; ++jj) hb[t * I + j0 + jj] = silu(o[jj * n + t]) * o[(m + jj) * n + t];
+        for (int64_t jj = 0; jj < m; ++jj)
+          hb[t * I + j0 + jj] = silu(scaled(o[jj * n + t], row(jj), H)) * scaled(o[(m + jj) * n + t], row(m + jj), H);
       return;
     }
     int64_t j = j0;
@@ -222,13 +236,13 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
       rows8_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
         for (int t = 0; t < tt; ++t)
           for (int g = 0; g < 4; ++g)
-            hb[(t0 + t) * I + j + g] = silu(o[g * tt + t]) * o[(4 + g) * tt + t];
+            hb[(t0 + t) * I + j + g] = silu(scaled(o[g * tt + t], rows[g], H)) * scaled(o[(4 + g) * tt + t], rows[4 + g], H);
       }, 4 * s13r);
     }
     for (; j < j1; ++j) {
       const W* rows[2] = {we + j * s13r, we + (I + j) * s13r};
       rows2_tokens(rows, xs, n, H, [&](int64_t t0, int tt, const float* o) {
-        for (int t = 0; t < tt; ++t) hb[(t0 + t) * I + j] = silu(o[t]) * o[tt + t];
+        for (int t = 0; t < tt; ++t) hb[(t0 + t) * I + j] = silu(scaled(o[t], rows[0], H)) * scaled(o[tt + t], rows[1], H);
       });
     }
   });
@@ -252,7 +266,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
       for (int64_t t = 0; t < n; ++t) {
         float* dst = ob + pr[t] * H + r0;
         const float sw = wq[t];
-        for (int64_t i = 0; i < m; ++i) dst[i] = sw * o[i * n + t];
+        for (int64_t i = 0; i < m; ++i) dst[i] = sw * scaled(o[i * n + t], we + (r0 + i) * s2r, I);
       }
       return;
     }
@@ -264,7 +278,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
         for (int t = 0; t < tt; ++t) {
           float* dst = ob + pr[t0 + t] * H + r;
           const float sw = wq[t0 + t];
-          for (int g = 0; g < 8; ++g) dst[g] = sw * o[g * tt + t];
+          for (int g = 0; g < 8; ++g) dst[g] = sw * scaled(o[g * tt + t], rows[g], I);
         }
       }, 8 * s2r);
     }
@@ -274,8 +288,8 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
         for (int t = 0; t < tt; ++t) {
           float* dst = ob + pr[t0 + t] * H + r;
           const float sw = wq[t0 + t];
-          dst[0] = sw * o[t];
-          dst[1] = sw * o[tt + t];
+          dst[0] = sw * scaled(o[t], rows[0], I);
+          dst[1] = sw * scaled(o[tt + t], rows[1], I);
         }
       });
     }
@@ -284,7 +298,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
       for (int64_t t = 0; t < n; ++t) {
         float o;
         dot_tile<1, 1>(&row, hs + t, I, &o);
-        ob[pr[t] * H + r] = wq[t] * o;
+        ob[pr[t] * H + r] = wq[t] * scaled(o, row, I);
       }
     }
   });
@@ -302,21 +316,27 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
 }  // namespace
 
 // x [N, H] float32 (last dim contiguous), topk_weights [N, k] float32, topk_ids [N, k] int64,
-// w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (last dims contiguous). Returns [N, H] float32.
+// w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (last dims contiguous), or int8 rows with their
+// scales, [E, 2I, H + 8] and [E, H, I + 8] (cpu_common.h). Returns [N, H] float32.
 torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids, torch::Tensor w13,
                         torch::Tensor w2) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
               "fused_moe_cpu: x must be a float32 [N, H] tensor with a contiguous last dimension");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "fused_moe_cpu: w13 must be [E, 2I, H] and w2 [E, H, I]");
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
-                  (w13.scalar_type() == torch::kFloat32 || w13.scalar_type() == torch::kBFloat16),
-              "fused_moe_cpu: weights must both be float32 or both bfloat16");
+                  (w13.scalar_type() == torch::kFloat32 || w13.scalar_type() == torch::kBFloat16 ||
+                   w13.scalar_type() == torch::kChar),
+              "fused_moe_cpu: weights must both be float32, both bfloat16 or both int8 rows with their scales");
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1, "fused_moe_cpu: weight rows must be contiguous");
   const int64_t N = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
-  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H, "fused_moe_cpu: w13 shape ", w13.sizes(),
+  const bool packed = w13.scalar_type() == torch::kChar;
+  const int64_t extra = packed ? moebench_cpu::kPackedExtra : 0;  // int8 rows carry their scale
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H + extra, "fused_moe_cpu: w13 shape ", w13.sizes(),
               " does not match hidden size ", H);
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I, "fused_moe_cpu: w2 shape ", w2.sizes(),
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I + extra, "fused_moe_cpu: w2 shape ", w2.sizes(),
               " does not match w13 ", w13.sizes());
+  TORCH_CHECK(!packed || (packed_int8(w13, H) && packed_int8(w2, I)),
+              "fused_moe_cpu: int8 rows must be 4-byte aligned, with widths that are multiples of 4");
   auto tw = topk_weights.to(torch::kFloat32).contiguous();
   auto ti = topk_ids.to(torch::kInt64).contiguous();
   TORCH_CHECK(ti.dim() == 2 && ti.size(0) == N && tw.sizes() == ti.sizes(),
@@ -332,9 +352,12 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
 void fused_moe_into(const float* x, int64_t ldx, int64_t N, const float* tw, const int64_t* ti, int64_t k,
                     const torch::Tensor& w13, const torch::Tensor& w2, float* out) {
   if (N == 0) return;
-  const int64_t H = w13.size(2), E = w13.size(0), I = w13.size(1) / 2;
+  const int64_t H = w2.size(1), E = w13.size(0), I = w13.size(1) / 2;
   const int threads = moebench_cpu::step_threads();
-  if (w13.scalar_type() == torch::kFloat32) {
+  if (w13.scalar_type() == torch::kChar) {
+    moe_forward<int8_t>(x, ldx, tw, ti, N, k, w13.data_ptr<int8_t>(), w13.stride(0), w13.stride(1),
+                        w2.data_ptr<int8_t>(), w2.stride(0), w2.stride(1), E, H, I, out, threads);
+  } else if (w13.scalar_type() == torch::kFloat32) {
     moe_forward<float>(x, ldx, tw, ti, N, k, w13.data_ptr<float>(), w13.stride(0), w13.stride(1),
                        w2.data_ptr<float>(), w2.stride(0), w2.stride(1), E, H, I, out, threads);
   } else {
@@ -351,7 +374,7 @@ void register_dense(pybind11::module& m);
 void register_decode_layer(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights)");
+  m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights or int8 rows with their scales)");
   register_attention(m);
   register_dense(m);
   register_decode_layer(m);

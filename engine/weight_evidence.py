@@ -1,0 +1,84 @@
+"""The activation evidence of `--weights` (docs/int8.md): the precision asked for, and what the kernels
+streamed of the weights a decode step reads besides the LM head, by kind and weight dtype, counted
+where they ran (kernels/csrc: dense_linear_into for the dense projections, the fused MoE kernel for
+the routed experts; `kernels.cpu_dense.weight_stats`), plus the int8 projections that ran in torch.
+Counters are per process: an engine takes the difference over its own run, as the LM head's do."""
+
+from __future__ import annotations
+
+import torch
+
+# dtype names as the kernels report them (kernels/csrc/dense_cpu.cpp), per --weights precision
+STREAMED = {"int8": "int8"}
+FLOAT_DTYPES = ("float32", "bfloat16")
+
+
+def streamed_now(device: str) -> dict:
+    """The process's counters now: the extension's (a CPU model) and the torch int8 calls."""
+    from moebench.kernels import cpu_dense
+
+    if device != "cpu":
+        return {"kernel": {}, "torch": {}}
+    return cpu_dense.weight_stats()
+
+
+def _difference(now: dict, start: dict) -> dict:
+    out = {}
+    for dtype, c in now.items():
+        before = start.get(dtype, {"calls": 0, "bytes": 0})
+        if c["calls"] > before["calls"]:
+            out[dtype] = {"calls": c["calls"] - before["calls"], "bytes": c["bytes"] - before["bytes"]}
+    return out
+
+
+class WeightsEvidence:
+    """Counts from the moment a model is built: `evidence()` is what ran since."""
+
+    def __init__(self, precision: str, ckpt, device: str):
+        self.precision, self.device = precision, device
+        layer = next((w for w in ckpt.layers if getattr(w, "qkv_proj", None) is not None), None)
+        self.held = {"dense": _dtype(layer.qkv_proj) if layer is not None else None,
+                     "experts": _dtype(next((w.w13 for w in ckpt.layers if w.w13 is not None), None))}
+        self.start = streamed_now(device)
+
+    def evidence(self) -> dict:
+        now = streamed_now(self.device)
+        kernel = {kind: _difference(now["kernel"].get(kind, {}), self.start["kernel"].get(kind, {}))
+                  for kind in ("dense", "experts")}
+        in_torch = {d: n - self.start["torch"].get(d, 0) for d, n in now["torch"].items()
+                    if n > self.start["torch"].get(d, 0)}
+        return {"precision": self.precision, "held": self.held, "kernel": kernel, "torch": in_torch}
+
+
+def _dtype(w: torch.Tensor | None) -> str | None:
+    return str(w.dtype).replace("torch.", "") if w is not None else None
+
+
+def weights_errors(evidence: dict | None, experts_dtype: str | None = None) -> list[str]:
+    """--weights int8 must be seen where it ran: the model holds int8 matrices, the expert store int8
+    rows (`experts_dtype`, the store's evidence), the dense kernel, where it ran, streamed int8 rows
+    (float rows beside them are the routers, float32 by design, docs/int8.md), the fused MoE kernel,
+    where it ran, int8 experts and nothing wider, and some projection ran with int8 weights. (A run
+    of prefills only runs its projections in torch, on many rows: that is where they belong.)"""
+    precision = (evidence or {}).get("precision", "f32")
+    if precision == "f32":
+        return []
+    want = STREAMED[precision]
+    errors = []
+    held = evidence.get("held") or {}
+    for kind, dtype in held.items():
+        if dtype not in (want, None):
+            errors.append(f"--weights {precision}: the model holds its {kind} weights in {dtype}")
+    if experts_dtype not in (want, None):
+        errors.append(f"--weights {precision}: the expert store holds {experts_dtype} rows")
+    kernel = evidence.get("kernel") or {}
+    wide = {d: c for d, c in (kernel.get("experts") or {}).items() if d != want}
+    if wide:
+        errors.append(f"--weights {precision}: the MoE kernel streamed experts in {', '.join(sorted(wide))}")
+    dense, in_torch = kernel.get("dense") or {}, (evidence.get("torch") or {}).get(want, 0)
+    if dense and want not in dense:
+        errors.append(f"--weights {precision}: the dense kernel streamed {', '.join(sorted(dense))} weights and never "
+                      f"{want} (int8 calls in torch: {in_torch})")
+    elif not dense and not in_torch:
+        errors.append(f"--weights {precision}: no projection ran with {want} weights")
+    return errors
