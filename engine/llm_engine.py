@@ -178,6 +178,7 @@ class Engine:
         forward_s = end - start
 
         routing = stats.take_step()
+        starts = [s.num_cached for s in seqs] if speculator else None
         callbacks_s = 0.0  # the caller's own work (writing samples) is not the engine's
         decode_emitted = 0
         for s, tokens, picks, draft, prefill in zip(seqs, new_tokens, emitted, drafts or [()] * len(seqs), in_prefill):
@@ -204,6 +205,13 @@ class Engine:
                     t = time.perf_counter()
                     on_complete(c)
                     callbacks_s += time.perf_counter() - t
+
+        if speculator:  # the positions each sequence kept, and their rows of the step's forward
+            row_counts = lens if verify else [len(t) for t in new_tokens]
+            offsets = [0] * len(seqs)
+            for i in range(1, len(seqs)):
+                offsets[i] = offsets[i - 1] + row_counts[i - 1]
+            speculator.observe(seqs, starts, [s.num_cached - a for s, a in zip(seqs, starts)], model, offsets)
 
         n_prefill = sum(in_prefill)
         phase = "prefill" if n_prefill == len(seqs) else ("decode" if n_prefill == 0 else "mixed")
@@ -331,7 +339,8 @@ class EngineSession:
         # temperature reached the sampler
         self.sampling_counts = {"sampled_positions": 0, "greedy_positions": 0, "settings": set()}
         self.sampling_requests = 0  # requests added that asked for sampling
-        self.speculator = make_speculator(rt, cfg)  # None: speculative decoding off
+        # None: speculative decoding off (an MTP head gets a cache of num_kv_blocks beside the model's)
+        self.speculator = make_speculator(rt, cfg, engine.ckpt, self.model, num_kv_blocks)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -83,9 +83,10 @@ SPECULATIVE_PANEL = "Speculative decoding"
 
 SPECULATIVE = typer.Option(
     "off", "--speculative", rich_help_panel=SPECULATIVE_PANEL,
-    help="off, or ngram: prompt-lookup drafts (the longest recent 3..1-gram found earlier in prompt + output "
-         "proposes what followed it), verified in one decode forward. Exact: the emitted tokens are plain "
-         "decoding's, greedy or sampled (docs/speculative.md). With --ablate, the speculative axis of --axes.")
+    help="off, ngram: prompt-lookup drafts (the longest recent 3..1-gram found earlier in prompt + output "
+         "proposes what followed it), or mtp: the checkpoint's multi-token-prediction head drafts (config "
+         "num_nextn_predict_layers; the bundled model has one); verified in one decode forward. Exact: the emitted "
+         "tokens are plain decoding's, greedy or sampled (docs/speculative.md). With --ablate, the speculative axis of --axes.")
 SPEC_TOKENS = typer.Option(
     4, "--spec-tokens", rich_help_panel=SPECULATIVE_PANEL, help="Draft tokens per sequence and verify step (1..16).")
 SPEC_MAX_BATCH = typer.Option(

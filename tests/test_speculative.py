@@ -168,7 +168,7 @@ def test_a_speculative_run_that_drafts_nothing_is_an_activation_error(checkpoint
 
 
 def test_bad_settings_are_refused():
-    for bad in [dict(speculative="mtp"), dict(speculative="ngram", spec_tokens=0),
+    for bad in [dict(speculative="eagle"), dict(speculative="ngram", spec_tokens=0),
                 dict(speculative="ngram", spec_max_batch=0)]:
         with pytest.raises(MoebenchError):
             RuntimeConfig(**bad)
