@@ -19,6 +19,7 @@ from moebench.engine.routing_stats import RoutingStats
 from moebench.engine.sampling import sample_token_ids
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
+from moebench.engine.mtp import make_mtp_drafter
 from moebench.engine.speculative import make_speculator
 from moebench.errors import MoebenchError
 from moebench.engine.decode_path import step_threads
@@ -185,9 +186,9 @@ class Engine:
             # the K/V kept: the step's tokens but the rejected drafts (theirs stay past num_cached,
             # outside the context, and are overwritten); the newest pick's is the next step's to write
             s.num_cached += len(tokens) + len(picks) - 1
-            decode_emitted += 0 if prefill else len(picks)
             reason = None
             for tok in picks:
+                decode_emitted += not prefill  # a pick after the one that finished the sequence is not emitted
                 s.output_ids.append(tok)
                 s.token_times.append(end - s.arrival)
                 reason = self._finish_reason(s, tok)
@@ -340,7 +341,8 @@ class EngineSession:
         self.sampling_counts = {"sampled_positions": 0, "greedy_positions": 0, "settings": set()}
         self.sampling_requests = 0  # requests added that asked for sampling
         # None: speculative decoding off (an MTP head gets a cache of num_kv_blocks beside the model's)
-        self.speculator = make_speculator(rt, cfg, engine.ckpt, self.model, num_kv_blocks)
+        self.speculator = make_speculator(
+            rt, cfg, lambda: make_mtp_drafter(engine.ckpt, self.model, num_kv_blocks, rt.kv_block_size))
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -36,6 +36,7 @@ from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import LayerWeights, TensorIndex, _expert_names
 from moebench.errors import MoebenchError
 from moebench.kernels.cpu_attention import paged_decode_attention, paged_decode_attention_reference
+from moebench.kernels import cpu_dense
 from moebench.kernels.cpu_dense import linear
 from moebench.kernels.reference import moe_reference, route_softmax_topk
 
@@ -119,6 +120,15 @@ def _read_mtp(ckpt, index: TensorIndex) -> MtpWeights:
                       get("shared_head.norm.weight", H), block)
 
 
+def make_mtp_drafter(ckpt, model, num_kv_blocks: int, block_size: int) -> "MtpDrafter":
+    """The checkpoint's MTP head (read once per checkpoint) as a drafter over a cache of
+    `num_kv_blocks` beside the model's; the model keeps each step's hidden states from now on."""
+    if ckpt.mtp_weights is None:
+        ckpt.mtp_weights = load_mtp(ckpt)
+    model.keep_hidden_states()
+    return MtpDrafter(ckpt.mtp_weights, model, num_kv_blocks, block_size)
+
+
 class MtpHead:
     """The MTP module's forward over one-token rows, each at its own position with its own context
     (as speculative verify rows are), over a one-layer paged cache sharing the main block tables."""
@@ -132,32 +142,49 @@ class MtpHead:
 
     def forward(self, tokens: list[int], hidden: torch.Tensor, positions: list[int], tables: list[list[int]]):
         """Rows (token x_{p+1}, hidden h_p, position p, block table) -> (output states [N, H], logits
-        [N, vocab] float32). Every row's K/V is written before any row attends."""
-        from moebench.engine.model import build_forward_batch
+        [N, vocab] float32). Every row's K/V is written before any row attends. On the CPU in
+        float32 the norms, residual adds and (for few rows) the attention sub-layer run as the
+        extension's ops, the ones the main model's decode step runs."""
+        from moebench.engine.model import build_forward_batch, rms_norm
 
-        cfg, w, b = self.cfg, self.w, self.w.block
+        cfg, w, b, model = self.cfg, self.w, self.w.block, self.model
         eps = cfg.rms_norm_eps
-        embed = self.model.ckpt.embed
-        ops = self.model.ops
-        if ops is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            # the extension's RMSNorm (torch's math, bit for bit): F.rms_norm costs ~0.2 ms a call on a few rows here
-            rms_norm = lambda x, weight, eps: ops.add_rms_norm(x.contiguous(), None, weight, eps)  # noqa: E731
-        else:
-            from moebench.engine.model import rms_norm
+        embed = model.ckpt.embed
         batch = build_forward_batch([[t] for t in tokens], positions, tables, self.kv.block_size,
                                     embed.device.type, cfg.sliding_window, embed.dtype)
-        e = rms_norm(embed[batch.input_ids], w.enorm, eps)
-        x = linear(torch.cat([e, rms_norm(hidden, w.hnorm, eps)], dim=-1), w.eh_proj)
-        x = x + self._attention(rms_norm(x, b.input_norm, eps), batch)
-        h = rms_norm(x, b.post_attention_norm, eps)
+        model.rope.ensure(batch.max_position)
+        ops = model.ops if hidden.dtype == torch.float32 and hidden.device.type == "cpu" else None
+        if ops is None:
+            x = linear(torch.cat([rms_norm(embed[batch.input_ids], w.enorm, eps), rms_norm(hidden, w.hnorm, eps)],
+                                 dim=-1), w.eh_proj)
+            x = x + self._attention(rms_norm(x, b.input_norm, eps), batch)
+            x = x + self._mlp(rms_norm(x, b.post_attention_norm, eps))
+            out = rms_norm(x, w.head_norm, eps)
+            return out, model.logits(out)
+        # the same math; add_rms_norm(h, d, w) adds d into h in place and returns RMSNorm(h) (F.rms_norm
+        # alone costs ~0.2 ms a call on a few rows here)
+        e = ops.add_rms_norm(embed[batch.input_ids], None, w.enorm, eps)
+        x = linear(torch.cat([e, ops.add_rms_norm(hidden.contiguous(), None, w.hnorm, eps)], dim=-1), w.eh_proj)
+        normed = ops.add_rms_norm(x, None, b.input_norm, eps)
+        if model.decode_chains and cpu_dense.rows_stream(normed) and cpu_dense.weight_streams(b.qkv_proj):
+            self._count("cpp-sublayer")  # x += attention(normed) in one call, then its post-attention norm
+            h = ops.decode_attention_sublayer(
+                x, normed, b.qkv_proj, b.qkv_bias, b.q_norm if cfg.qk_norm else None, b.k_norm if cfg.qk_norm else None,
+                eps, model.rope.cos, model.rope.sin, batch.positions, self.kv.k[0], self.kv.v[0], batch.slot_mapping,
+                batch.context_blocks, batch.context_lens, self.kv.block_size, model.scale, cfg.sliding_window or 0,
+                cfg.num_heads, b.o_proj, b.post_attention_norm)
+        else:
+            h = ops.add_rms_norm(x, self._attention(normed, batch), b.post_attention_norm, eps)
+        out = ops.add_rms_norm(x, self._mlp(h), w.head_norm, eps)
+        return out, model.logits(out)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        b, cfg = self.w.block, self.cfg
         if b.router is not None:
             weights, ids = route_softmax_topk(linear(h, b.router), cfg.top_k, cfg.norm_topk_prob)
-            x = x + moe_reference(h, weights.to(h.dtype), ids, b.w13, b.w2)
-        else:
-            gate, up = linear(h, b.dense_w13).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, b.dense_w2)
-        out = rms_norm(x, w.head_norm, eps)
-        return out, self.model.logits(out)
+            return moe_reference(h, weights.to(h.dtype), ids, b.w13, b.w2)
+        gate, up = linear(h, b.dense_w13).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, b.dense_w2)
 
     def _attention(self, x: torch.Tensor, batch) -> torch.Tensor:
         cfg, b, model = self.cfg, self.w.block, self.model

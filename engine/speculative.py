@@ -281,10 +281,9 @@ class Speculator:
 ROLLBACK_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-def make_speculator(runtime, cfg=None, ckpt=None, model=None, num_kv_blocks: int = 0) -> Speculator | None:
-    """The session's speculator (None: off). `mtp` reads the checkpoint's MTP head (engine/mtp.py,
-    once per checkpoint), gives it a cache beside the model's, and has the model keep each step's
-    hidden states."""
+def make_speculator(runtime, cfg=None, mtp_drafter=None) -> Speculator | None:
+    """The session's speculator (None: off). `mtp_drafter()` builds the MTP drafter where the method
+    asks for it (engine/mtp.py's make_mtp_drafter, bound to the session's checkpoint and model)."""
     s = spec_settings(runtime)
     if not s.on:
         return None
@@ -293,14 +292,11 @@ def make_speculator(runtime, cfg=None, ckpt=None, model=None, num_kv_blocks: int
         raise MoebenchError(f"--speculative {s.method}: a {family} model keeps per-sequence state besides the KV "
                             "cache that rejected drafts would advance and nothing rolls back; speculative decoding "
                             f"runs on {', '.join(ROLLBACK_FAMILIES)} models")
-    if s.method != "mtp":
-        return Speculator(s)
-    from moebench.engine.mtp import MtpDrafter, load_mtp
-
-    if ckpt.mtp_weights is None:
-        ckpt.mtp_weights = load_mtp(ckpt)
-    model.keep_hidden_states()
-    return Speculator(s, MtpDrafter(ckpt.mtp_weights, model, num_kv_blocks, runtime.kv_block_size))
+    if s.method == "mtp":
+        if mtp_drafter is None:
+            raise MoebenchError("--speculative mtp: no MTP head was given to this session")
+        return Speculator(s, mtp_drafter())
+    return Speculator(s)
 
 
 def spec_settings(runtime) -> SpecSettings:

@@ -26,8 +26,8 @@ def train_bundled_command(
     mtp: Annotated[bool, typer.Option("--mtp", help="Instead: train a multi-token-prediction head for the bundled "
                                                     "model (base frozen) and write the model plus mtp.safetensors to "
                                                     "--out (--speculative mtp drafts with it; moebench/train_mtp.py).")] = False,
-    mtp_steps: Annotated[int, typer.Option(help="With --mtp: optimizer steps.")] = 1200,
-    mtp_minutes: Annotated[float, typer.Option(help="With --mtp: wall-time cap (minutes).")] = 15.0,
+    mtp_steps: Annotated[int, typer.Option(help="With --mtp: optimizer steps.")] = 1500,
+    mtp_minutes: Annotated[float, typer.Option(help="With --mtp: wall-time cap (minutes).")] = 16.0,
 ) -> None:
     """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split (--mtp: its MTP head)."""
     from moebench.fileio import ensure_writable_dir

@@ -142,7 +142,7 @@ def init_head(head: MtpModule, seed: int) -> None:
                 p.normal_(0.0, std, generator=g)
 
 
-def train_mtp(out: Path, base_dir: Path = BUNDLED_DIR, minutes: float = 15.0, seed: int = 0, steps: int = 1200,
+def train_mtp(out: Path, base_dir: Path = BUNDLED_DIR, minutes: float = 16.0, seed: int = 0, steps: int = 1500,
               batch_size: int = 16, lr: float = 2e-3, threads: int = 1, log=print) -> dict:
     """Train the head on gsm-synth training problems (the base's held-out validation questions and
     the test split excluded, as for the base) and write it into `out` (a copy of `base_dir` unless
@@ -200,8 +200,8 @@ def train_mtp(out: Path, base_dir: Path = BUNDLED_DIR, minutes: float = 15.0, se
         vloss, vce, vagree, vn = mtp_loss(head, base, *next(vdata))
     result = {"steps": nsteps, "train_minutes": round((time.time() - t0) / 60, 1), "params": nparams,
               "final_loss_ema": round(ema, 4), "final_agree_ema": round(ema_agree, 4),
-              "heldout_loss": round(vloss.item(), 4), "heldout_data_ce": round(vce.item(), 4),
-              "heldout_agree": round(vagree.item(), 4), "heldout_positions": vn, "seed": seed,
+              "check_batch_loss": round(vloss.item(), 4), "check_batch_data_ce": round(vce.item(), 4),
+              "check_batch_agree": round(vagree.item(), 4), "check_batch_positions": vn, "seed": seed,
               "command": f"moebench train-bundled --mtp --mtp-steps {steps} --mtp-minutes {minutes:g} --seed {seed}"}
     log(f"separate stream ({vn} answer positions): loss {vloss.item():.4f}, data ce {vce.item():.4f}, "
         f"agreement with the base's argmax {vagree.item():.3f}")

@@ -190,9 +190,9 @@ def checkpoints():
     return get
 
 
-def _generate(checkpoints, tokenizer, suite, sampling=GREEDY, **runtime):
-    rt = RuntimeConfig(**{"batch_size": 8, "max_new_tokens": MAX_NEW, "offload_tier": "host", **runtime})
-    requests = [Request(item.id, suite.prompt(item), MAX_NEW, tuple(suite.stop),
+def _generate(checkpoints, tokenizer, suite, sampling=GREEDY, max_new=MAX_NEW, **runtime):
+    rt = RuntimeConfig(**{"batch_size": 8, "max_new_tokens": max_new, "offload_tier": "host", **runtime})
+    requests = [Request(item.id, suite.prompt(item), max_new, tuple(suite.stop),
                         sampling if sampling.greedy else replace(sampling, seed=request_seed(0, 0, item.id)))
                 for item in suite.items]
     return Engine(checkpoints(rt), tokenizer, rt).generate(requests)
@@ -249,7 +249,7 @@ def test_preemption_under_mtp(checkpoints, tokenizer, suite, plain, monkeypatch)
 
 
 def test_an_mtp_run_that_drafts_nothing_is_an_activation_error(checkpoints, tokenizer, suite):
-    result = _generate(checkpoints, tokenizer, suite, speculative="mtp", spec_max_batch=4, max_new_tokens=3)
+    result = _generate(checkpoints, tokenizer, suite, speculative="mtp", spec_max_batch=4, max_new=3)  # 8 sequences each step
     ev = result.evidence["speculative"]
     assert ev["drafted"] == 0 and ev["steps_off_by_batch"] > 0
     assert ev["head_rows"] > 0  # the head still caught up on every kept position
