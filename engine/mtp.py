@@ -139,6 +139,35 @@ class MtpHead:
         self.kv = KVCache(1, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, model.ckpt.embed.dtype,
                           model.ckpt.embed.device)
         self.attention_backends: dict[str, int] = {}
+        self._native = None  # the block as the extension's DecodeLayers (False: not here), see _native_block
+        self._rows = None  # the row buffer DecodeLayers reads its input from, as its "embedding table"
+
+    def _native_block(self, rows: int):
+        """The block (attention, MLP, the head's norm) as one call of the extension's DecodeLayers,
+        the main model's native decode step, over a one-layer model: a dense MLP is one expert that
+        every row routes to with weight 1 (softmax over one logit), a routed one is itself. Its
+        "embedding table" is a buffer of rows holding eh_proj's output, read by row index. None
+        where it does not apply (no extension or chains, few rows only)."""
+        model, b, cfg = self.model, self.w.block, self.cfg
+        if self._native is None:
+            self._native = False
+            ok = (model.ops is not None and hasattr(model.ops, "DecodeLayers") and model.decode_chains
+                  and self.kv.k[0].dtype == torch.float32
+                  and all(cpu_dense.weight_streams(t) for t in (b.qkv_proj, b.o_proj)))
+            if ok:
+                if b.router is not None:
+                    router, w13, w2, top_k, renorm = b.router, b.w13, b.w2, cfg.top_k, cfg.norm_topk_prob
+                else:
+                    router = torch.zeros(1, cfg.hidden_size, dtype=torch.float32)
+                    w13, w2, top_k, renorm = b.dense_w13[None].contiguous(), b.dense_w2[None].contiguous(), 1, True
+                self._rows = torch.zeros(cpu_dense.DENSE_MAX_ROWS, cfg.hidden_size, dtype=torch.float32)
+                optional = (lambda t: t) if cfg.qk_norm else (lambda t: None)
+                self._native = model.ops.DecodeLayers(
+                    [b.qkv_proj], [b.qkv_bias], [optional(b.q_norm)], [optional(b.k_norm)], [b.o_proj],
+                    [b.post_attention_norm], [router], [w13], [w2], [self.w.head_norm], cfg.rms_norm_eps, model.scale,
+                    cfg.sliding_window or 0, cfg.num_heads, top_k, renorm, self._rows, b.input_norm, None, None)
+                self._row_ids = torch.arange(cpu_dense.DENSE_MAX_ROWS)
+        return self._native if self._native and rows <= cpu_dense.DENSE_MAX_ROWS else None
 
     def forward(self, tokens: list[int], hidden: torch.Tensor, positions: list[int], tables: list[list[int]]):
         """Rows (token x_{p+1}, hidden h_p, position p, block table) -> (output states [N, H], logits
@@ -165,6 +194,14 @@ class MtpHead:
         # alone costs ~0.2 ms a call on a few rows here)
         e = ops.add_rms_norm(embed[batch.input_ids], None, w.enorm, eps)
         x = linear(torch.cat([e, ops.add_rms_norm(hidden.contiguous(), None, w.hnorm, eps)], dim=-1), w.eh_proj)
+        native = self._native_block(len(tokens))
+        if native is not None:
+            n = len(tokens)
+            self._rows[:n].copy_(x)
+            out = native.run(self._row_ids[:n], model.rope.cos, model.rope.sin, batch.positions, batch.slot_mapping,
+                             batch.context_blocks, batch.context_lens, self.kv.block_size, self.kv.k, self.kv.v)[0]
+            self._count("cpp-native-block")
+            return out, model.logits(out)
         normed = ops.add_rms_norm(x, None, b.input_norm, eps)
         if model.decode_chains and cpu_dense.rows_stream(normed) and cpu_dense.weight_streams(b.qkv_proj):
             self._count("cpp-sublayer")  # x += attention(normed) in one call, then its post-attention norm

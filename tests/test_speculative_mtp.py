@@ -129,19 +129,26 @@ def test_the_head_computes_what_the_training_module_computes(tmp_path):
     save_mtp(directory, module, cfg.num_layers)
     ckpt = load_checkpoint(directory)
     rt = RuntimeConfig()
-    _, _, model = make_cache_and_model(ckpt, rt, 8)
-    head = MtpHead(load_mtp(ckpt), model, 8, rt.kv_block_size)
     T = 21
     tokens = torch.randint(0, cfg.vocab_size, (T,)).tolist()
     hidden = torch.randn(T, cfg.hidden_size)
-    out, logits = head.forward(tokens, hidden, list(range(T)), [list(range(8))] * T)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
     freqs = torch.arange(T, dtype=torch.float)[:, None] * inv[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     with torch.no_grad():
         ref = module(ckpt.embed[tokens][None], hidden[None], emb.cos()[None, None], emb.sin()[None, None])[0]
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(logits, ref @ ckpt.lm_head.T, atol=1e-4, rtol=1e-4)
+    backends = set()
+    for native in (None, False):  # the block in one native call where it runs, and op by op
+        _, _, model = make_cache_and_model(ckpt, rt, 8)
+        head = MtpHead(load_mtp(ckpt), model, 8, rt.kv_block_size)
+        if native is False:
+            head._native = False
+        out, logits = head.forward(tokens, hidden, list(range(T)), [list(range(8))] * T)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(logits, ref @ ckpt.lm_head.T, atol=1e-4, rtol=1e-4)
+        backends |= set(head.attention_backends)
+    if model.ops is not None:  # the extension is built: both of its paths ran
+        assert "cpp-native-block" in backends and "cpp-sublayer" in backends, backends
 
 
 # ----------------------------------------------------------------------------- the engine, tiny model
