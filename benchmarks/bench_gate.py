@@ -8,8 +8,8 @@ one torch thread; ~17 minutes for the 40 runs on 2 cores at load 1-3.
 
 Each run is a short, real `moebench run` of two configs with identical switches, "baseline"
 and "candidate", measured interleaved (B C B C ...) by the same loop as `moebench run`
-(`moebench.measure.measure`), summarized by `moebench.summary.build_summary` and judged by
-`moebench.gate.evaluate` under one regression policy. Two scenarios alternate run by run, so
+(`moebench.measuring.measure.measure`), summarized by `moebench.results.summary.build_summary` and judged by
+`moebench.results.gate.evaluate` under one regression policy. Two scenarios alternate run by run, so
 machine-load drift hits both alike:
 
   aa        the candidate is the baseline (A/A): every gate failure is a false alarm
@@ -53,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moebench.engine.config import RuntimeConfig
-from moebench.random_models import make_random_qwen3_moe
+from moebench.models.random import make_random_qwen3_moe
 
 SCHEMA = "moebench.bench_gate/1"
 SCENARIOS = ("aa", "slowdown")
@@ -85,7 +85,7 @@ def resolve_model_and_suite(model: Path | None, suite: str | None, data: Path | 
                             workdir: Path) -> tuple[Path, str, Path | None, str]:
     """(model path, suite name, data dir, description): the bundled model with gsm-synth when
     it is present, else a random qwen3_moe with GSM8K from the local copy."""
-    from moebench.run import bundled_model_path
+    from moebench.measuring.run import bundled_model_path
 
     if model is None:
         bundled = bundled_model_path()
@@ -165,7 +165,7 @@ def _candidate_extra(extra: dict, quiet: bool):
     """
     import moebench.ablation as ablation_mod
     import moebench.engine.llm_engine as engine_mod
-    import moebench.measure as measure_mod
+    import moebench.measuring.measure as measure_mod
 
     original = ablation_mod.runtime_for
     original_make = engine_mod.make_store_and_prefetcher
@@ -196,8 +196,8 @@ def _candidate_extra(extra: dict, quiet: bool):
 
 def _manifest(run_dir: Path, ckpt, suite_obj, configs, runtime, repeats: int, machine: dict,
               scenario: str, slowdown: float) -> dict:
-    from moebench.machine import git_commit, package_versions
-    from moebench.run import _model_summary
+    from moebench.measuring.machine import git_commit, package_versions
+    from moebench.measuring.run import _model_summary
 
     return {
         "schema": "moebench.manifest/1",
@@ -227,12 +227,12 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
                  scenario: str, slowdown: float, quiet: bool = True) -> dict:
     """One interleaved baseline/candidate run into run_dir; returns its summary.
 
-    measure() ends by writing summary.json with moebench.summary.build_summary; the gate reads
+    measure() ends by writing summary.json with moebench.results.summary.build_summary; the gate reads
     it back the way `moebench gate RUN_DIR` does (load_summary).
     """
     from moebench.fileio import atomic_write_json
-    from moebench.measure import measure
-    from moebench.summary import load_summary
+    from moebench.measuring.measure import measure
+    from moebench.results.summary import load_summary
 
     configs = _configs()
     manifest = _manifest(run_dir, ckpt, suite_obj, configs, runtime, repeats, machine, scenario,
@@ -248,15 +248,15 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
 # ---------------------------------------------------------------- gate rules
 
 def rule_policy(rule: str, tolerance: float):
-    """(Policy, committed summary or None) that make moebench.gate.evaluate apply `rule`, to the
+    """(Policy, committed summary or None) that make moebench.results.gate.evaluate apply `rule`, to the
     decode speedup (the one this benchmark was calibrated on, docs/gate.md)."""
-    from moebench.policy import Policy
+    from moebench.results.policy import Policy
 
     if rule == "regression":
         # Against a committed speedup of 1.0 (the baseline itself): the current speedup's CI
         # upper bound must reach 1 - tolerance. min_speedup 0 leaves the speedup rule inert
         # (it still requires an interval to exist).
-        committed = {"schema": "moebench.summary/1", "baseline": "baseline",
+        committed = {"schema": "moebench.results.summary/1", "baseline": "baseline",
                      "configs": [{"name": "baseline"},
                                  {"name": "candidate", "vs_baseline": {"speedup": {"median": 1.0}}}]}
         return Policy(config="candidate", metric="decode", min_speedup=0.0, max_slowdown=tolerance), committed
@@ -267,7 +267,7 @@ def rule_policy(rule: str, tolerance: float):
 
 def judge(summary: dict, rule: str, tolerance: float) -> tuple[bool, list[dict]]:
     """The whole gate's verdict (every rule, as moebench gate gives it) and its rules."""
-    from moebench.gate import evaluate
+    from moebench.results.gate import evaluate
 
     policy, committed = rule_policy(rule, tolerance)
     rules = evaluate(summary, policy, committed, committed_source="bench_gate: speedup 1.0")
@@ -276,7 +276,7 @@ def judge(summary: dict, rule: str, tolerance: float) -> tuple[bool, list[dict]]
 
 
 def _speedup(summary: dict) -> dict:
-    from moebench.summary import config_entry
+    from moebench.results.summary import config_entry
 
     return config_entry(summary, "candidate")["vs_baseline"]["speedup"]
 
@@ -323,7 +323,7 @@ def _sweep(runs: list[dict], summaries: list[dict]) -> list[dict]:
 
 
 def _trial_ratios(summary: dict) -> list[float]:
-    from moebench.summary import config_entry
+    from moebench.results.summary import config_entry
 
     b = config_entry(summary, "baseline")["decode_tokens_per_s"]["trials"]
     c = config_entry(summary, "candidate")["decode_tokens_per_s"]["trials"]
@@ -367,9 +367,9 @@ def run_bench(runs: int = 20, scenarios: tuple[str, ...] = SCENARIOS, model: Pat
 
     import moebench.ablation as ablation_mod
     from moebench.engine import RuntimeConfig
-    from moebench.machine import describe_machine
-    from moebench.measure import CheckpointVariants, warm_up
-    from moebench.run import _load_model
+    from moebench.measuring.machine import describe_machine
+    from moebench.measuring.measure import CheckpointVariants, warm_up
+    from moebench.measuring.run import _load_model
     from moebench.suites import load_suite
 
     for s in scenarios:

@@ -124,7 +124,7 @@ def _mb(n):
 
 def _paired_ci(num: list[float], den: list[float]) -> list[float] | None:
     """95% t interval of the paired per-repeat ratios num/den (on their logs, as `moebench run` does)."""
-    from moebench import stats
+    from moebench.results import stats
 
     if len(num) < 2:
         return None
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     from moebench.engine import Engine, RuntimeConfig, load_checkpoint
     from moebench.engine.config import StoreTuning
     from moebench.errors import MoebenchError
-    from moebench.run import bundled_model_path
+    from moebench.measuring.run import bundled_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -218,7 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", choices=("auto", "suite", "random"), default="auto",
                     help="suite: the first --batch gsm-synth items (needs the model's tokenizer.json); random: "
                          "random token ids; auto: suite when the model has a tokenizer")
-    ap.add_argument("--readers", type=int, default=3, help="parallel readers of the disk tier (off and lookahead alike)")
+    ap.add_argument("--readers", type=int, default=StoreTuning().readers,
+                    help="parallel readers of the disk tier (off and lookahead alike; default: the runtime's)")
     ap.add_argument("--lookahead-extra", type=int, default=1,
                     help="experts predicted per token beyond top-k (the first MoE layer: one more)")
     ap.add_argument("--threads", type=int, default=1,
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         path = args.model or (bundled_model_path() if bundled_model_path().exists() else random_checkpoint(args.workdir))
         t0 = time.perf_counter()
         ckpt = load_checkpoint(path)
-        # Each tier on the checkpoint it gets in a run (harness/run.py): the host tier's experts in the
+        # Each tier on the checkpoint it gets in a run (harness/measuring/run.py): the host tier's experts in the
         # file's dtype, the disk tier's left in the files, so each config's expert memory is its own.
         ckpts = {"resident": ckpt, "host": load_checkpoint(path, experts_in_checkpoint_dtype=True),
                  "disk": load_checkpoint(path, experts_in_checkpoint_dtype=True, load_experts=False)}

@@ -42,35 +42,17 @@ def make_model(
 ):
     """A random Qwen3-MoE of real proportions but small, and a byte-level BPE tokenizer trained on
     GSM8K's train split (so prompts have realistic token counts)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from moebench.models.random import make_random_qwen3_moe
+    from moebench.models.synth import gsm8k_bpe_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    texts = []
-    with open(data / "train.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            texts.append(row["question"] + "\n" + row["answer"])
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    tok.save(str(out / "tokenizer.json"))
-
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256), head_dim=64, num_experts=experts, num_experts_per_tok=top_k,
-        moe_intermediate_size=width, intermediate_size=4 * width, norm_topk_prob=True, max_position_embeddings=4096,
-        eos_token_id=None, pad_token_id=None, bos_token_id=None, tie_word_embeddings=False,
-    )
-    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(out)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out}: {n / 1e6:.1f}M parameters, tokenizer vocab {tok.get_vocab_size()}")
+    vocab = gsm8k_bpe_tokenizer(data, vocab, out)
+    shape = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                 num_key_value_heads=max(1, hidden // 256), head_dim=64, num_experts=experts,
+                 num_experts_per_tok=top_k, moe_intermediate_size=width, intermediate_size=4 * width)
+    make_random_qwen3_moe(out, shape, seed=seed)
+    print(f"wrote {out}: a random qwen3_moe ({hidden} hidden, {layers} layers, {experts} experts top-{top_k}), "
+          f"tokenizer vocab {vocab}")
 
 
 def _percentile(values, q):

@@ -1,5 +1,5 @@
 """HTTP overhead of `moebench serve`: the same gsm-synth workload in-process (Engine.generate) and
-through the server (the OpenAI client engine, moebench.engines.openai, streaming at a fixed
+through the server (the OpenAI client engine, moebench.backends.openai, streaming at a fixed
 concurrency), rounds interleaved A B A B on one machine, outputs compared item by item.
 
     python benchmarks/bench_serve.py --items 200 --rounds 3 --kernel fused --scheduler continuous
@@ -11,7 +11,7 @@ Figures, per round and as medians:
                             joins when one finishes), as the HTTP client offers them: the same
                             workload as the server sees, without HTTP
   HTTP decode tok/s         the client's: tokens after each request's first / time at least one
-                            request was past its first token (moebench.engines.openai)
+                            request was past its first token (moebench.backends.openai)
   HTTP output tok/s         output tokens / wall time from the first request sent to the last answer
   server decode tok/s       the server's own step records (evidence endpoint), this round's share
   CPU seconds               in-process: this process's CPU time in generate(); HTTP: the server's
@@ -101,9 +101,9 @@ def main() -> None:
     torch.set_num_threads(1)
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
     from moebench.engine.loader import load_tokenizer
-    from moebench.engines.openai import ClientOptions, OpenAIEngine
-    from moebench.run import bundled_model_path
-    from moebench.serve import ServeProcess
+    from moebench.backends.openai import ClientOptions, OpenAIEngine
+    from moebench.measuring.run import bundled_model_path
+    from moebench.serve.app import ServeProcess
     from moebench.suites import load_suite
 
     path = bundled_model_path()

@@ -26,10 +26,10 @@ import torch
 
 def _stores(ckpt, budget: float):
     from moebench.engine import RuntimeConfig
-    from moebench.engine.expert_store import PooledStore
-    from moebench.engine.stores import slots_for_budget
-    from moebench.engine.native_store import NativePooledStore
-    from moebench.engine.offload import HostTier
+    from moebench.engine.store.expert_store import PooledStore
+    from moebench.engine.store.factory import slots_for_budget
+    from moebench.engine.store.native import NativePooledStore
+    from moebench.engine.store.tiers import HostTier
 
     rt = RuntimeConfig(expert_budget=budget)
     slots = slots_for_budget(ckpt.config, rt)

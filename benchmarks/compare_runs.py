@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moebench.stats import mcnemar_exact, wilson_ci
+from moebench.results.stats import mcnemar_exact, wilson_ci
 
 
 def _samples(spec: str, trial: int) -> tuple[str, dict[str, dict]]:

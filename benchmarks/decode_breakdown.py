@@ -13,7 +13,7 @@ distinct experts each step routed to.
     flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model DIR --threads 1,2 --batch 1,16
 
 DIR: a qwen3_moe checkpoint (e.g. the random 0.89B model bench-engine writes:
-moebench.random_models.make_random_qwen3_moe(DIR, moebench.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
+moebench.models.random.make_random_qwen3_moe(DIR, moebench.measuring.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
 """
 
 from __future__ import annotations

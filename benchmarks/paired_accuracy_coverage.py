@@ -39,7 +39,7 @@ import time
 import numpy as np
 from scipy.stats import t as student_t
 
-from moebench.paired_accuracy import design_effect, detectable_drop, tango_interval
+from moebench.results.paired_accuracy import design_effect, detectable_drop, tango_interval
 
 ITEMS = (48, 200)
 TRIALS = (1, 3, 5)

@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from moebench.bench_engine import interval_text, round_interval
+from moebench.measuring.bench_engine import interval_text, round_interval
 
 SAME = ("vs", "params", "prompt_len", "new_tokens", "kernel", "scheduler")
 

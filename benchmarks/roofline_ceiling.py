@@ -10,8 +10,8 @@ stream's fraction is the most any engine could score in those minutes.
 
     flock /tmp/moebench-bench.lock python benchmarks/roofline_ceiling.py --model DIR --threads 2 --batch 1
 
-DIR: a qwen3_moe checkpoint (e.g. moebench.random_models.make_random_qwen3_moe(DIR,
-moebench.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
+DIR: a qwen3_moe checkpoint (e.g. moebench.models.random.make_random_qwen3_moe(DIR,
+moebench.measuring.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from moebench.bench_engine import decode_bytes_per_step, decode_rate
+from moebench.measuring.bench_engine import decode_bytes_per_step, decode_rate
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint, memory
 from moebench.kernels.cpu_moe import load_extension
-from moebench.machine import read_bandwidth_by_reader
+from moebench.measuring.machine import read_bandwidth_by_reader
 
 
 def main() -> None:

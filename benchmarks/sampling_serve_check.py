@@ -2,7 +2,7 @@
 
     python benchmarks/sampling_serve_check.py --items 50 --temperature 0.6 [--top-p P] [--top-k K]
 
-The in-process side builds its requests as `moebench run` does (harness/measure.py: the seed of
+The in-process side builds its requests as `moebench run` does (harness/measuring/measure.py: the seed of
 each from (--seed, --trial, item id)) and runs the baseline engine (naive kernel, static batches).
 The server runs the optimized switches (fused kernel, continuous batching) as a real process and
 gets the same prompts as token ids with each request's seed in OpenAI's `seed` field, all at once.
@@ -36,9 +36,9 @@ def main() -> int:
 
     from moebench.engine import Engine, RuntimeConfig, load_checkpoint
     from moebench.engine.loader import load_tokenizer
-    from moebench.measure import _requests, run_sampling
-    from moebench.run import bundled_model_path
-    from moebench.serve import ServeProcess
+    from moebench.measuring.measure import _requests, run_sampling
+    from moebench.measuring.run import bundled_model_path
+    from moebench.serve.app import ServeProcess
     from moebench.suites import load_suite
 
     torch.set_num_threads(1)

@@ -17,10 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 
-def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) -> tuple[Counter, dict]:
+def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) -> tuple[Counter, Counter, dict]:
     import torch
 
-    from moebench.bundled_model import bundled_model_path
+    from moebench.models.bundled import bundled_model_path
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
     from moebench.engine.sequence import Sequence
 
@@ -35,12 +35,14 @@ def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) 
         session.step()
     roots = {str(Path(p).resolve()) for p in _package_dirs()}
     calls: Counter = Counter()
+    functions: Counter = Counter()
 
     def profile(frame, event, arg):
         if event == "call":
             f = frame.f_code.co_filename
             if any(f.startswith(r) for r in roots):
                 calls[f] += 1
+                functions[(f, frame.f_code.co_name)] += 1
 
     sys.setprofile(profile)
     try:
@@ -49,7 +51,7 @@ def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) 
         sys.setprofile(None)
     assert record["phase"] == "decode", record["phase"]
     session.close()
-    return calls, session.evidence()["decode_path"]
+    return calls, functions, session.evidence()["decode_path"]
 
 
 def _package_dirs() -> list[Path]:
@@ -67,13 +69,18 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="fused")
     ap.add_argument("--budget", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--functions", action="store_true", help="also list the functions called in each file")
     args = ap.parse_args(argv)
-    calls, path = files_of_one_step(args.decode_path, args.kernel, args.budget, args.batch)
+    calls, functions, path = files_of_one_step(args.decode_path, args.kernel, args.budget, args.batch)
     root = Path(__file__).resolve().parents[1]
     print(f"decode path {path['path']} (kernel={args.kernel}, budget {args.budget}, batch {args.batch}): "
           f"{len(calls)} files, {sum(calls.values())} Python calls")
     for f, n in calls.most_common():
         print(f"  {n:5d}  {Path(f).resolve().relative_to(root) if Path(f).resolve().is_relative_to(root) else f}")
+        if args.functions:
+            for (g, name), m in functions.most_common():
+                if g == f:
+                    print(f"         {m:5d}  {name}")
     return 0
 
 

@@ -491,40 +491,6 @@ class HybridTransformer:
         return linear(h, self.ckpt.lm_head).float()
 
 
-class GroupedRouterGuess:
-    """prefetch=lookahead's guess for grouped sigmoid routers: the next MoE layer's own routing
-    (sigmoid, expert bias, group limit, top-k) applied to the residual stream as it stands. Ranking
-    plain router logits, as for a softmax router, ignores the bias and the groups, which both change
-    the choice; RMSNorm's per-token scale does not cancel under a sigmoid plus a bias, so the stream
-    is normalised first. The early guess gets layer L's MoE input x = w_L * h / rms(h): x / w_L has
-    the stream's direction, and RMSNorm does not see the scale."""
-
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
-        self.cfg = ckpt.config
-
-    @staticmethod
-    def applies(ckpt) -> bool:
-        return any(getattr(layer, "expert_bias", None) is not None for layer in ckpt.layers)
-
-    def __call__(self, layer: int, stream: torch.Tensor, normed_by: int | None, k: int) -> list[int]:
-        """Distinct experts, in token order, of the top-k per token of MoE layer `layer`'s router on
-        `stream` (the residual stream, or with `normed_by` the MoE input of that layer)."""
-        from moebench.engine.expert_store import host_ids
-        from moebench.kernels.reference import route_grouped_sigmoid
-
-        cfg, w = self.cfg, self.ckpt.layers[layer]
-        z = stream.float()
-        if normed_by is not None:
-            scale = self.ckpt.layers[normed_by].post_attention_norm.float()
-            if bool((scale.abs() > 1e-6).all()):
-                z = z / scale
-        y = rms_norm(z, w.post_attention_norm.float(), cfg.rms_norm_eps)
-        _, ids = route_grouped_sigmoid(F.linear(y, w.router), w.expert_bias, min(k, cfg.num_experts), cfg.n_group,
-                                       cfg.topk_group, False, 1.0)
-        return list(dict.fromkeys(host_ids(ids).ravel().tolist()))
-
-
 def make_hybrid_cache(ckpt, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype,
                       device: str) -> tuple[StateBlockManager, HybridCache]:
     cfg: HybridModelConfig = ckpt.config

@@ -72,7 +72,7 @@ class DecodePath:
 def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:
     """The decode path of a session of `model` (an MoeTransformer) for `requested` (a CHOICES entry,
     None for auto). `runtime` and `experts_resident` (whether its store holds every expert: the
-    session's store, engine/stores.py, says) are checked against what `native` needs."""
+    session's store, engine/store/factory.py, says) are checked against what `native` needs."""
     requested = requested or DEFAULT
     if requested not in CHOICES:
         raise MoebenchError(f"unknown decode path '{requested}' (choose from: {', '.join(CHOICES)})")

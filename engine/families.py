@@ -74,7 +74,7 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
     from moebench.engine.model import MoeTransformer
 
     from moebench.engine import decode_path
-    from moebench.engine.stores import store_layout
+    from moebench.engine.store.factory import store_layout
 
     block_manager = BlockManager(num_kv_blocks, runtime.kv_block_size)
     kv = KVCache(cfg.num_layers, num_kv_blocks, runtime.kv_block_size, cfg.num_kv_heads, cfg.head_dim,

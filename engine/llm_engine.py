@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from moebench.engine.config import RuntimeConfig
-from moebench.engine.stores import make_store_and_prefetcher
+from moebench.engine.store.factory import make_store_and_prefetcher
 from moebench.engine.families import cache_bytes_per_step, make_cache_and_model, non_expert_bytes_per_step
 from moebench.engine.loader import Checkpoint
 from moebench.engine.model import build_forward_batch
@@ -254,7 +254,7 @@ class Engine:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
         cfg = self.cfg
         if self._read_sizes is None:  # per-model constants, worked out once
-            from moebench.engine.stores import store_layout
+            from moebench.engine.store.factory import store_layout
 
             elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
             # experts in the dtype the store holds them in (bfloat16 rows of a bfloat16 checkpoint on the CPU)

@@ -184,7 +184,7 @@ def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: Tensor
     tier reads them, and no copy of them is held. Dense matrices stay bfloat16 where
     `keeps_dense_in_checkpoint_dtype` says (Checkpoint.dense_dtype records it); routers do not: they
     are <1% of a step's bytes (128 x 1024 per layer against 12 MB of attention projections), and the
-    prefetcher folds them with the norms into its float32 early-routing matrices (engine/prefetch.py)."""
+    prefetcher folds them with the norms into its float32 early-routing matrices (engine/store/prefetch.py)."""
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return index.get(name, shape).to(device=device, dtype=dtype)

@@ -129,7 +129,7 @@ class MoeBlock:
         (MoeTransformer.native_decode_layers): the fused C++ kernel on resident experts and no
         prefetcher, so that between layers the store and the prefetcher have nothing to do but count
         (`ran_natively`). Else None."""
-        from moebench.engine.expert_store import NoPrefetch, ResidentStore
+        from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
         from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
 
         if not (type(self.kernel) is FusedMoe and type(self.store) is ResidentStore

@@ -38,8 +38,8 @@ def quantize_experts(ckpt, scheme: str, group_size: int = 32):
     # copy; the copy's experts exist only in memory, so it has no file sources a disk tier could read.
     on_disk = {}
     if ckpt.expert_sources and any(layer.w13 is None and layer.router is not None for layer in ckpt.layers):
-        from moebench.engine.expert_store import read_all_experts
-        from moebench.engine.offload import expert_file_dtype
+        from moebench.engine.store.expert_store import read_all_experts
+        from moebench.engine.store.tiers import expert_file_dtype
 
         on_disk = read_all_experts(ckpt, expert_file_dtype(ckpt))
     out.expert_sources = {}

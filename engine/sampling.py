@@ -69,6 +69,14 @@ def check_sampling(temperature: float, top_p: float | None, top_k: int | None, w
         raise MoebenchError(f"{what}top-k must be an integer >= 1 (or unset), got {top_k!r}")
 
 
+def check_sampling_options(temperature: float, top_p: float | None, top_k: int | None) -> None:
+    """Refuse what no engine can honour: a bad value (the sampler's own check), or a top-p / top-k cut
+    beside greedy decoding (which would be recorded and silently ignored)."""
+    check_sampling(temperature, top_p, top_k, "--")
+    if temperature == 0 and (top_p not in (None, 1) or top_k is not None):
+        raise MoebenchError("--top-p and --top-k need --temperature > 0 (greedy decoding would ignore them)")
+
+
 GREEDY = SamplingParams()
 
 

@@ -1,3 +1,3 @@
-from moebench.cli import main
+from moebench.cli.app import main
 
 main()

@@ -18,7 +18,7 @@ only runs); `close()` cancels what is queued and joins the workers. `reads` and 
 the file reads done. `label` (the file) names the file in errors.
 
 Environment: MOEBENCH_EXPERT_LOADER = auto (default) | native (fail loudly if it cannot build) |
-python (the thread-pool fallback in `moebench.engine.expert_store`).
+python (the thread-pool fallback in `moebench.engine.store.expert_store`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def gsm8k_dir() -> Path:
 def llama_server(request) -> Path:
     """llama.cpp's llama-server for this CPU (built and cached on first use). Where it cannot be
     built, CI fails and elsewhere the test is skipped with a warning that names what went untested."""
-    from moebench.engines.llamacpp import llama_server_path
+    from moebench.backends.llamacpp import llama_server_path
     from moebench.errors import MoebenchError
 
     try:
@@ -67,7 +67,7 @@ def _uncaptured(config):
 
 
 def _announced_build(request, build):
-    from moebench.engines.llamacpp import BUILD_ESTIMATE, build_dir
+    from moebench.backends.llamacpp import BUILD_ESTIMATE, build_dir
 
     users = sorted({item.module.__name__ for item in request.session.items
                     if "llama_server" in getattr(item, "fixturenames", ())})

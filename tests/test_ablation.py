@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from moebench.ablation import ablation_matrix, config_name
-from moebench.cli import main
+from moebench.cli.app import main
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 

@@ -12,7 +12,7 @@ from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine.config import StoreTuning
 from moebench.engine.bailing_hybrid import HybridTransformer, make_hybrid_cache
 from moebench.engine.kda import delta_rule_chunked, delta_rule_step
-from moebench.engine.expert_store import NoPrefetch, ResidentStore
+from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import OutOfBlocks
 from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel
@@ -216,7 +216,7 @@ def test_expert_offload_with_lookahead_from_the_grouped_router(tiny, kernel):
 def test_lookahead_guesses_with_the_expert_bias_and_groups(tmp_path, monkeypatch):
     """Where the expert bias moves choices, guessing by the grouped router itself misses far less
     than ranking raw router logits (measured: 23 vs 78 misses here), and loads less."""
-    from moebench.engine.bailing_hybrid import GroupedRouterGuess
+    from moebench.engine.store.prefetch import GroupedRouterGuess
 
     ckpt = load_checkpoint(make_tiny_bailing(tmp_path / "bias", "g3_ngroup4_topk2_qlora", expert_bias_scale=0.5))
     ids_list = prompts(ckpt.config.vocab_size)
@@ -239,7 +239,7 @@ def test_lookahead_guesses_with_the_expert_bias_and_groups(tmp_path, monkeypatch
 
 def test_ling3_flash_scaled_keeps_the_reference_structure(tmp_path):
     from moebench.engine.bailing_hybrid import parse_hybrid_config
-    from moebench.synth_models import LING3_FLASH, SHAPES
+    from moebench.models.synth import LING3_FLASH, SHAPES
 
     scaled = SHAPES["ling3-flash-scaled"]["config"]
     for c in (scaled, LING3_FLASH):
@@ -256,8 +256,8 @@ def test_models_synth_writes_a_checkpoint_the_engine_runs_with_its_model_card(tm
     """The command's whole path on a narrow version of the shape (the real one takes a minute to write)."""
     from typer.testing import CliRunner
 
-    from moebench.cli import app
-    from moebench import synth_models
+    from moebench.cli.app import app
+    from moebench.models import synth as synth_models
 
     data = tmp_path / "data"
     data.mkdir()
@@ -288,7 +288,7 @@ def test_models_synth_writes_a_checkpoint_the_engine_runs_with_its_model_card(tm
 
     import sys
 
-    from moebench.cli import main
+    from moebench.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["moebench", "models", "synth", "--shape", "ling9", "--out", str(tmp_path / "x"),
                                       "--data", str(data)])
@@ -341,7 +341,7 @@ def test_decode_with_scattered_state_slots_equals_adjacent_ones(tiny):
 
 
 def test_gguf_export_refuses_the_family_in_one_line(tmp_path):
-    from moebench.export_gguf import export_gguf
+    from moebench.models.export_gguf import export_gguf
 
     path = make_tiny_bailing(tmp_path / "gguf", "g2_ngroup2_topk1")
     with pytest.raises(MoebenchError, match="model_type 'bailing_hybrid'.*does not support"):

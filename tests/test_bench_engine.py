@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from moebench.bench_engine import decode_rate, first_difference, identical_count, round_interval
-from moebench.cli import main
+from moebench.measuring.bench_engine import decode_rate, first_difference, identical_count, round_interval
+from moebench.cli.app import main
 from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 

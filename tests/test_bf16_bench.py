@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from moebench.bench_engine import float32_weight_bytes, gguf_weight_bytes, step_weight_bytes
-from moebench.cli import main
+from moebench.measuring.bench_engine import float32_weight_bytes, gguf_weight_bytes, step_weight_bytes
+from moebench.cli.app import main
 from moebench.engine import load_checkpoint
-from moebench.export_gguf import export_gguf
+from moebench.models.export_gguf import export_gguf
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 

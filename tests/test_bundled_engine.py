@@ -5,7 +5,7 @@ import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine.loader import load_tokenizer
-from moebench.run import bundled_model_path
+from moebench.measuring.run import bundled_model_path
 from moebench.suites import load_suite
 
 

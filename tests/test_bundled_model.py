@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moebench.train import BUNDLED_DIR, EOS_ID, PAD_ID, extract_answer
+from moebench.models.train import BUNDLED_DIR, EOS_ID, PAD_ID, extract_answer
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_DIR / "model.safetensors").exists(),
                                 reason="bundled checkpoint not present")
@@ -41,7 +41,7 @@ def test_loads_in_transformers_without_missing_keys():
 
 def test_greedy_accuracy_on_50_test_items():
     from moebench.suites.synth import format_prompt, load_synth_items
-    from moebench.train import load_bundle
+    from moebench.models.train import load_bundle
 
     torch.set_num_threads(2)
     model, tok = load_bundle(BUNDLED_DIR)

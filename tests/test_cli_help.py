@@ -12,7 +12,7 @@ HEAVY = ("torch", "transformers", "pandas", "matplotlib")
 
 PROBE = r"""
 import json, sys
-from moebench.cli import build_command, main
+from moebench.cli.app import build_command, main
 
 HEAVY = %r
 
@@ -60,7 +60,7 @@ def probe(errors=USAGE_ERRORS) -> tuple[dict, str]:
 
 def test_help_of_every_command_imports_nothing_heavy():
     report, _ = probe(errors=[])
-    assert report["after_import"] == [], f"importing moebench.cli pulled in {report['after_import']}"
+    assert report["after_import"] == [], f"importing moebench.cli.app pulled in {report['after_import']}"
     assert {"(root)", "run", "report", "gate", "train-bundled"} <= set(report["help"])
     for command, (code, heavy) in report["help"].items():
         assert code == 0, command
@@ -73,7 +73,7 @@ def test_usage_errors_are_one_line_exit_2_and_import_nothing_heavy():
         assert code == 2, argv
         assert heavy == [], f"`moebench {argv}` imported {heavy} before refusing its arguments"
     for argv in USAGE_ERRORS:  # the wording, one line each
-        result = subprocess.run([sys.executable, "-c", "from moebench.cli import main; main()", *argv],
+        result = subprocess.run([sys.executable, "-c", "from moebench.cli.app import main; main()", *argv],
                                 capture_output=True, text=True, timeout=120)
         lines = [l for l in result.stderr.splitlines() if l.strip()]
         assert result.returncode == 2 and len(lines) == 1, (argv, result.stderr)
@@ -81,7 +81,7 @@ def test_usage_errors_are_one_line_exit_2_and_import_nothing_heavy():
 
 
 def test_flags_show_as_flags_not_bool():
-    result = subprocess.run([sys.executable, "-c", "from moebench.cli import main; main()", "run", "--help"],
+    result = subprocess.run([sys.executable, "-c", "from moebench.cli.app import main; main()", "run", "--help"],
                             capture_output=True, text=True, timeout=120, env={"COLUMNS": "160", "PATH": ""})
     assert result.returncode == 0, result.stderr
     assert "<bool>" not in result.stdout

@@ -8,7 +8,7 @@ from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine.kv_cache import BlockManager, KVCache
 from moebench.engine.model import MoeTransformer, build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel
-from moebench.engine.expert_store import NoPrefetch, ResidentStore
+from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.routing_stats import RoutingStats
 from tiny_models import FAMILIES, make_tiny_checkpoint
 

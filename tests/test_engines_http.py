@@ -185,7 +185,7 @@ def test_server_killed_mid_run_keeps_samples_and_fails(tmp_path):
 
 
 def test_base_url_drives_a_running_server(tmp_path, in_process):
-    from moebench.serve import ServeProcess
+    from moebench.serve.app import ServeProcess
 
     bundled = REPO / "harness" / "bundled" / "gsm-synth-moe"
     with ServeProcess(["--threads", "1"]) as server:

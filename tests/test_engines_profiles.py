@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from moebench.engines.openai import request_seed, union_seconds
-from moebench.engines.profiles import load_profiles
-from moebench.engines.server import Placeholders, ServerProcess, json_field, prometheus_value
+from moebench.backends.openai import request_seed, union_seconds
+from moebench.backends.profiles import load_profiles
+from moebench.backends.server import Placeholders, ServerProcess, json_field, prometheus_value
 from moebench.errors import MoebenchError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,8 +168,8 @@ def test_server_dies_with_a_killed_parent(profile_file, tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from moebench.engines.profiles import load_profiles
-        from moebench.engines.server import Placeholders, ServerProcess
+        from moebench.backends.profiles import load_profiles
+        from moebench.backends.server import Placeholders, ServerProcess
         pf = load_profiles(Path({str(profile_file)!r}))
         s = ServerProcess(pf.profiles[0], Placeholders("127.0.0.1", None, None, 1), Path({str(tmp_path / 'k.log')!r}),
                           pf.health, pf.startup_timeout_s)

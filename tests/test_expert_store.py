@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.expert_store import STEP_KEYS, PooledStore, ResidentStore
-from moebench.engine.stores import make_store_and_prefetcher, slots_for_budget
-from moebench.engine.offload import DiskTier, ExpertTier, HostTier
+from moebench.engine.store.expert_store import STEP_KEYS, PooledStore, ResidentStore
+from moebench.engine.store.factory import make_store_and_prefetcher, slots_for_budget
+from moebench.engine.store.tiers import DiskTier, ExpertTier, HostTier
 from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint, sharded_copy
 
@@ -275,7 +275,7 @@ def test_both_kernels_get_bfloat16_experts_and_the_same_outputs(ckpt, monkeypatc
     """Both kernels get a bfloat16 checkpoint's experts as stored (the fused C++ kernel widens them in
     registers, the naive loop per expert, both exactly): resident or pooled, every output equals the
     one float32 experts give."""
-    import moebench.engine.stores as stores
+    import moebench.engine.store.factory as stores
     from moebench.kernels import cpu_backend
     from moebench.kernels.cpu_moe import BACKEND_CPP
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.stores import make_store_and_prefetcher, resolve_tier
+from moebench.engine.store.factory import make_store_and_prefetcher, resolve_tier
 from moebench.engine.quantize import quantize_experts
 from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from moebench.errors import MoebenchError
-from moebench.kernels_cli import SHAPES, _fit_experts, app
+from moebench.cli.kernels import SHAPES, _fit_experts, app
 
 runner = CliRunner()
 

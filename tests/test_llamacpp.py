@@ -1,4 +1,4 @@
-"""llama.cpp's real llama-server, built by moebench.engines.llamacpp, on GGUF files written by
+"""llama.cpp's real llama-server, built by moebench.backends.llamacpp, on GGUF files written by
 `moebench export gguf`: it tokenizes prompts as tokenizer.json does, its greedy completions
 (prompts sent as token ids) equal the in-process runtime's token for token, on the bundled
 qwen3_moe model and on a random mixtral, and every configuration of profiles/llamacpp-cpu.toml
@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moebench.run import bundled_model_path
+from moebench.measuring.run import bundled_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE_FILE = REPO / "profiles" / "llamacpp-cpu.toml"
@@ -27,7 +27,7 @@ NEW_TOKENS = 128  # the bundled model's answers to these items end with EOS well
 
 @pytest.fixture(scope="module")
 def profile_file(llama_server):
-    from moebench.engines.profiles import load_profiles
+    from moebench.backends.profiles import load_profiles
 
     return load_profiles(PROFILE_FILE)
 
@@ -36,7 +36,7 @@ class _Running:
     """A started ServerProcess, stopped (process group killed) on exit whatever happened."""
 
     def __init__(self, profile, log: Path, health: str = "/health", timeout_s: float = 300):
-        from moebench.engines.server import Placeholders, ServerProcess
+        from moebench.backends.server import Placeholders, ServerProcess
 
         self.server = ServerProcess(profile, Placeholders("127.0.0.1", None, None, 1), log, health, timeout_s)
 
@@ -156,8 +156,8 @@ def test_random_mixtral_greedy_equals_in_process(llama_server, tmp_path):
     """A random mixtral (llama.cpp's llama architecture, q/k rows reordered for its RoPE) through
     llama-server: the first greedy tokens equal the runtime's. A random model's next-token logits
     can nearly tie, so float reordering could split a long path; 12 tokens per prompt are compared."""
-    from moebench.engines.profiles import Profile
-    from moebench.export_gguf import export_gguf
+    from moebench.backends.profiles import Profile
+    from moebench.models.export_gguf import export_gguf
     from tests.tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
     ckpt = write_char_tokenizer(make_tiny_checkpoint(tmp_path / "mx", "mixtral_e5_k2"), 211)
@@ -193,7 +193,7 @@ def test_missing_toolchain_is_one_line_exit_2(tmp_path):
 def test_build_is_keyed_on_the_cpu_flags(monkeypatch, tmp_path):
     """A build for an AVX-512 CPU is never picked up on one without AVX-512 (GGML_NATIVE does not
     dispatch at run time), and the same flags find the same build."""
-    from moebench.engines import llamacpp
+    from moebench.backends import llamacpp
 
     monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
     avx2 = ["avx", "avx2", "fma", "sse4_2"]

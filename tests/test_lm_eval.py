@@ -15,9 +15,9 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from moebench.lm_eval_model import render_tasks  # noqa: E402
-from moebench.run import bundled_model_path  # noqa: E402
-from moebench.serve import ServeProcess  # noqa: E402
+from moebench.measuring.lm_eval_model import render_tasks  # noqa: E402
+from moebench.measuring.run import bundled_model_path  # noqa: E402
+from moebench.serve.app import ServeProcess  # noqa: E402
 
 N_SYNTH = 12
 N_GSM8K = 4
@@ -111,7 +111,7 @@ def test_loglikelihood_matches_transformers_and_knows_the_greedy_answer():
     from lm_eval.api.instance import Instance
     from transformers import AutoModelForCausalLM
 
-    from moebench.lm_eval_model import MoebenchLM
+    from moebench.measuring.lm_eval_model import MoebenchLM
 
     lm = MoebenchLM(kernel="fused")
     context = "Question: Zoe has 25 apples. Then she buys 7 more apples. How many apples does Zoe have?\nAnswer:"

@@ -109,7 +109,7 @@ def test_quantizer_keeps_each_row_within_its_format():
 def _bundled(limit):
     from moebench.engine import load_checkpoint
     from moebench.engine.loader import load_tokenizer
-    from moebench.run import bundled_model_path
+    from moebench.measuring.run import bundled_model_path
     from moebench.suites import load_suite
 
     path = bundled_model_path()
@@ -207,7 +207,7 @@ def data(tmp_path):
 
 
 def _run(monkeypatch, *args):
-    from moebench.cli import main
+    from moebench.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["moebench", "run", *args])
     with pytest.raises(SystemExit) as exc:
@@ -234,8 +234,8 @@ def test_run_ablates_kernel_and_lm_head_and_records_the_evidence(tiny_model, dat
     assert set(trials["kernel"]["evidence"]["lm_head"]["kernel"]) == {"float32"}
     assert all(t["activation_ok"] for t in trials.values())
     # approximate: no identical-output rule in the gate, and never the headline while an exact config ran
-    from moebench.gate import evaluate
-    from moebench.policy import Policy
+    from moebench.results.gate import evaluate
+    from moebench.results.policy import Policy
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["optimized"] == "kernel"

@@ -1,4 +1,4 @@
-"""Activation on every run, however small (issue 15, items 1-3): what a switch needs from the
+"""Activation on every run, however small: what a switch needs from the
 workload is "not exercised", never "ok"; a fallback is a failure; an idle prefetcher is an error;
 and a batch of one works with continuous batching. Real runs of the bundled model, a few items."""
 
@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from moebench.errors import ActivationError, MoebenchError
-from moebench.run import run_command
+from moebench.measuring.run import run_command
 
 
 def run(tmp_path, *args):
@@ -90,8 +90,8 @@ def test_off_and_lookahead_get_the_same_store(tier):
     import torch
 
     from moebench.engine import RuntimeConfig, load_checkpoint
-    from moebench.engine.stores import make_store_and_prefetcher
-    from moebench.run import bundled_model_path
+    from moebench.engine.store.factory import make_store_and_prefetcher
+    from moebench.measuring.run import bundled_model_path
 
     ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32, experts_in_checkpoint_dtype=True)
     stores = {}
@@ -112,7 +112,7 @@ def test_decode_attention_names_its_backend_and_a_fallback_fails(monkeypatch):
 
     import moebench.engine.model as model_mod
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-    from moebench.run import bundled_model_path
+    from moebench.measuring.run import bundled_model_path
 
     monkeypatch.delenv("MOEBENCH_ALLOW_FALLBACK", raising=False)
     monkeypatch.delenv("MOEBENCH_DECODE_ATTENTION", raising=False)
@@ -141,7 +141,7 @@ def test_both_kernels_get_the_same_slots_for_a_byte_budget(tmp_path):
     import torch
 
     from moebench.engine import RuntimeConfig, load_checkpoint
-    from moebench.engine.stores import make_store_and_prefetcher
+    from moebench.engine.store.factory import make_store_and_prefetcher
     from moebench.kernels import cpu_backend
     from moebench.kernels.cpu_moe import BACKEND_CPP
     from tiny_models import make_tiny_checkpoint

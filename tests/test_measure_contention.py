@@ -1,6 +1,5 @@
-"""An idle expert-loader thread must not take CPU time from real work on a busy machine (issue 15,
-item 8). Measured in CPU seconds of the loader thread, not in wall time: with more runnable threads
-than cores, the spinner sleeps instead of spinning between loads."""
+"""An idle expert-loader thread must not take CPU time from real work on a busy machine. Measured in CPU
+seconds of the loader thread, not in wall time: with more runnable threads than cores, the spinner sleeps instead of spinning between loads."""
 
 import os
 import subprocess

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moebench.engine import load_checkpoint
-from moebench.engine.expert_store import NoPrefetch, ResidentStore
+from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.model import MoeTransformer, build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel

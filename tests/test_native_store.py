@@ -13,10 +13,10 @@ import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine.config import StoreTuning
-from moebench.engine.expert_store import PooledStore
-from moebench.engine.stores import make_store_and_prefetcher
-from moebench.engine.native_store import NativePooledStore
-from moebench.engine.offload import DiskTier, HostTier
+from moebench.engine.store.expert_store import PooledStore
+from moebench.engine.store.factory import make_store_and_prefetcher
+from moebench.engine.store.native import NativePooledStore
+from moebench.engine.store.tiers import DiskTier, HostTier
 from moebench.errors import MoebenchError
 from moebench.kernels.expert_loader import load_extension
 from tiny_models import make_tiny_checkpoint, sharded_copy

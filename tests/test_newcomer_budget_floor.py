@@ -1,5 +1,5 @@
 """A disk-tier budget too small for the read buffers plus one layer's experts is refused with the
-smallest budget that works, and that budget does work (issue 34, item 10)."""
+smallest budget that works, and that budget does work."""
 
 import json
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moebench.engine.budget_floor import smallest_fraction
+from moebench.engine.store.budget_floor import smallest_fraction
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""A prompt that cannot fit the model's context is refused before any trial (issue 34, item 1):
+"""A prompt that cannot fit the model's context is refused before any trial:
 the run used to feed it anyway, score the garbage as wrong answers and exit 0."""
 
 import os
@@ -58,12 +58,12 @@ def test_prompts_that_fit_run(tmp_path):
 
 
 def test_a_server_reporting_a_short_context_is_refused_before_any_trial(tmp_path):
-    from moebench.serve import ServeProcess
+    from moebench.serve.app import ServeProcess
 
     longest = _longest("gsm-synth", 0, 3)
     max_len = longest + 10  # the prompts fit, the 64 new tokens do not
     with ServeProcess(["--threads", "1", "--max-model-len", str(max_len)]) as server:
-        # the OpenAI SDK's form of the URL, ending in /v1, is the same server (issue 34, item 10)
+        # the OpenAI SDK's form of the URL, ending in /v1, is the same server
         r = _moebench("run", "--engine", "openai", "--base-url", server.url + "/v1", "--tokenizer", BUNDLED,
                       "--limit", 3, "--max-new-tokens", 64, "--warmup", 3, "--out", tmp_path / "r")
     assert r.returncode == 2, r.stderr[-2000:]
@@ -79,7 +79,7 @@ def test_llama_server_s_slot_context_is_read_and_enforced(tmp_path, llama_server
 
     import httpx
 
-    from moebench.engines.llamacpp import bundled_gguf_path
+    from moebench.backends.llamacpp import bundled_gguf_path
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

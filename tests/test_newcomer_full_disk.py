@@ -1,5 +1,5 @@
-"""A full disk names the file it could not write, and `report` leaves no 0-byte plot behind
-(issue 34, item 6); a malformed JSON line says where in the line (item 10)."""
+"""A full disk names the file it could not write, and `report` leaves no 0-byte plot behind;
+a malformed JSON line says where in the line."""
 
 import subprocess
 import sys
@@ -17,7 +17,7 @@ LIMITED = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
 sys.argv = ["moebench", *sys.argv[1:]]
-from moebench.cli import main
+from moebench.cli.app import main
 main()
 """
 

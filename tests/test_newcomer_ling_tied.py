@@ -1,5 +1,5 @@
 """Ling-3.0 (`bailing_hybrid`) with tie_word_embeddings=true: transformers never ties this family
-and uses lm_head.weight; the runtime must give the same logits (issue 34, item 9)."""
+and uses lm_head.weight; the runtime must give the same logits."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """The first test run builds llama.cpp for many minutes: pytest must say so when it starts, not
-hold the message back as captured output (issue 34, item 4)."""
+hold the message back as captured output."""
 
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """Continuous batching with affinity admission that prefills every request in the first step and
 then rotates whole groups through the batch did run continuous batching: its evidence must say
-so (issue 34, item 8: it reported "no request was admitted into a running batch")."""
+so (it reported "no request was admitted into a running batch")."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The smaller things a newcomer hit (issue 34, item 10), each through the real command."""
+"""The smaller things a newcomer hit, each through the real command."""
 
 import json
 import os

@@ -1,5 +1,5 @@
 """Ctrl-C before the first trial ends keeps the run's folder, so the `moebench run --resume DIR`
-it prints works (issue 34, item 3: the folder used to be deleted under the printed command)."""
+it prints works (the folder used to be deleted under the printed command)."""
 
 import json
 import os

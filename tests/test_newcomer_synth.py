@@ -1,17 +1,17 @@
 """`moebench models synth --shape ling3-flash-scaled --out DIR`, the README's form, works without
-GSM8K data (the bundled tokenizer) and writes every file readable like the rest (issue 34, item 5)."""
+GSM8K data (the bundled tokenizer) and writes every file readable like the rest."""
 
 import os
 import stat
 
-from moebench.run import bundled_model_path
+from moebench.measuring.run import bundled_model_path
 
 
 def test_models_synth_without_data_uses_the_bundled_tokenizer(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from moebench import synth_models
-    from moebench.cli import app
+    from moebench.models import synth as synth_models
+    from moebench.cli.app import app
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
     from moebench.engine.loader import load_tokenizer
 

@@ -9,9 +9,9 @@ import torch
 
 from moebench.engine import RuntimeConfig, load_checkpoint
 from moebench.engine.config import StoreTuning
-from moebench.engine.expert_store import PooledStore, loader_cpus
-from moebench.engine.offload import ExpertTier, HostTier
-from moebench.engine.prefetch import LookaheadPrefetcher
+from moebench.engine.store.expert_store import PooledStore, loader_cpus
+from moebench.engine.store.tiers import ExpertTier, HostTier
+from moebench.engine.store.prefetch import LookaheadPrefetcher
 from moebench.errors import MoebenchError
 from moebench.kernels import expert_loader
 from tiny_models import make_tiny_checkpoint
@@ -327,7 +327,7 @@ def test_governor_measures_both_modes_and_keeps_the_cheaper():
     then the other is measured again."""
     from types import SimpleNamespace
 
-    from moebench.engine.prefetch import PlanGovernor
+    from moebench.engine.store.prefetch import PlanGovernor
 
     total = {"stall_s": 0.0, "lookups": 0}
     store = SimpleNamespace(counters=SimpleNamespace(total=total))

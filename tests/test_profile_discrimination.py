@@ -1,4 +1,4 @@
-"""Evidence that discriminates (issue 36): a configuration's must-match evidence is judged against
+"""Evidence that discriminates: a configuration's must-match evidence is judged against
 the baseline's own output too, and evidence that holds there is refused in one line, unless marked
 shared. Judged here on the recorded output of SGLang 0.5.23 and vLLM 0.34.0 (reconstructed from
 their format strings, tests/fixtures/engine_logs), on a real HTTP server at warm-up, and on the
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from moebench.engines.discrimination import bundled_problems, judge, refuse_non_discriminating
-from moebench.engines.evidence import evaluate
-from moebench.engines.profiles import load_profiles
-from moebench.engines.recorded import load_observation
+from moebench.backends.discrimination import bundled_problems, judge, refuse_non_discriminating
+from moebench.backends.evidence import evaluate
+from moebench.backends.profiles import load_profiles
+from moebench.backends.recorded import load_observation
 from moebench.errors import MoebenchError
-from moebench.profiles_cli import check_profile
+from moebench.cli.profiles import check_profile
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "tests" / "fixtures" / "engine_logs"
@@ -212,9 +212,9 @@ def test_warm_up_refuses_evidence_the_baseline_server_also_shows(tmp_path):
     """A real HTTP server per configuration (the standard library's, serving a JSON file): the
     second configuration's endpoint check holds for the baseline's server too, and the warm-up
     stops with one line naming the profile entry, before that configuration's server starts."""
-    from moebench.engines.http import HttpBackend
-    from moebench.engines.openai import ClientOptions
-    from moebench.engines.server import Placeholders
+    from moebench.backends.http import HttpBackend
+    from moebench.backends.openai import ClientOptions
+    from moebench.backends.server import Placeholders
 
     docroot = tmp_path / "www"
     docroot.mkdir()
@@ -257,7 +257,7 @@ def test_bundled_switch_evidence_must_fail_on_the_baseline(tmp_path):
     import typer
 
     from moebench.ablation import point
-    from moebench.run import run_command
+    from moebench.measuring.run import run_command
 
     app = typer.Typer()
     app.command("run")(run_command)

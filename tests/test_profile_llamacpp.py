@@ -1,4 +1,4 @@
-"""Discrimination with a real llama-server, one started per configuration (issue 36, item 4): the
+"""Discrimination with a real llama-server, one started per configuration: the
 shipped llama.cpp profile's evidence passes a run's warm-up, every configuration's against the
 baseline's own server; a profile whose evidence also holds for the baseline's server is refused
 in one line, at warm-up.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moebench.cli import main
+from moebench.cli.app import main
 from moebench.fileio import append_jsonl, drop_torn_tail, read_jsonl
 from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
@@ -94,7 +94,7 @@ def test_two_runs_started_together_get_separate_folders(model, data, tmp_path):
     """Started in the same instant, each run writes its own folder with its own samples only."""
     out = tmp_path / "results"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", "from moebench.cli import main; main()", *run_args(model, data, out)]
+    cmd = [sys.executable, "-c", "from moebench.cli.app import main; main()", *run_args(model, data, out)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     results = [p.communicate(timeout=300) for p in procs]
@@ -248,7 +248,7 @@ def test_an_append_that_hits_the_file_size_limit_leaves_no_half_record(tmp_path)
 def test_ctrl_c_reports_the_complete_trials_kept(model, tmp_path):
     data = write_data(tmp_path / "data", 48)
     out = tmp_path / "results"
-    cmd = [sys.executable, "-c", "from moebench.cli import main; main()",
+    cmd = [sys.executable, "-c", "from moebench.cli.app import main; main()",
            *run_args(model, data, out, "--run-id", "r", "--repeats", "40", "--max-new-tokens", "24")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -272,8 +272,8 @@ def test_ctrl_c_reports_the_complete_trials_kept(model, tmp_path):
 
 def test_run_table_is_whole_when_stdout_is_not_a_terminal(capsys, monkeypatch, tmp_path):
     from fixtures.make_run import make_run
-    from moebench.measure import print_summary
-    from moebench.summary import build_summary
+    from moebench.measuring.measure import print_summary
+    from moebench.results.summary import build_summary
 
     monkeypatch.delenv("COLUMNS", raising=False)
     summary = build_summary(make_run(tmp_path, configs=("baseline", "kernel", "kernel+scheduler", "all")))
@@ -287,7 +287,7 @@ def test_run_table_is_whole_when_stdout_is_not_a_terminal(capsys, monkeypatch, t
 
 def test_train_bundled_does_not_default_to_the_installed_model(tmp_path):
     import moebench
-    from moebench.cli import build_command
+    from moebench.cli.app import build_command
 
     option = next(p for p in build_command().commands["train-bundled"].params if p.name == "out")
     default = Path(option.default).resolve()

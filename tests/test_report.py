@@ -7,7 +7,8 @@ import typer
 from typer.testing import CliRunner
 
 from fixtures.make_run import make_run
-from moebench.report import report_command, write_report
+from moebench.cli.report import report_command
+from moebench.results.report import write_report
 
 EVIL = '<script>alert("x")</script> ``` <img src=x onerror=alert(1)> #### 1001'
 PLOTS = {"decode_tps.png", "waterfall.png", "accuracy.png", "latency_cdf.png", "output_length.png",

@@ -1,4 +1,4 @@
-"""Issue 16, item 8: the report reads right in every case, fits a page in a real browser (1400 px
+"""The report reads right in every case, fits a page in a real browser (1400 px
 and 800 px), shows activation evidence as tables, and its plots show every configuration."""
 
 import json
@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 from fixtures.make_run import make_run
-from moebench import plots
-from moebench.report import write_report
-from moebench.report_words import plain_words as _plain_words
-from moebench.summary import build_summary, config_entry
+from moebench.results import plots
+from moebench.results.report import write_report
+from moebench.results.report_words import plain_words as _plain_words
+from moebench.results.summary import build_summary, config_entry
 
 SIX = ("baseline", "kernel", "scheduler", "prefetch", "kernel+scheduler", "all")
 

@@ -22,7 +22,7 @@ from moebench.engine.loader import load_tokenizer
 from moebench.engine.sampling import (GREEDY, SamplingParams, request_seed, sample_row, sample_token_ids,
                                       sampling_activation_errors, uniform)
 from moebench.errors import MoebenchError
-from moebench.run import _load_model, bundled_model_path
+from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 N_ITEMS = 12
@@ -247,7 +247,7 @@ def test_a_temperature_the_engine_did_not_apply_is_an_activation_error(baselines
 
 
 def test_serve_with_the_same_seed_gives_the_in_process_tokens(suite, tokenizer, baselines):
-    from moebench.serve import ServeProcess
+    from moebench.serve.app import ServeProcess
 
     async def ask(url, setting):
         s = SETTINGS[setting]
@@ -277,7 +277,7 @@ def test_lm_eval_generation_settings_reach_the_sampler(suite, baselines):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from moebench.lm_eval_model import MoebenchLM
+    from moebench.measuring.lm_eval_model import MoebenchLM
 
     lm = MoebenchLM(kernel="fused", max_gen_toks=MAX_NEW)
     try:
@@ -304,7 +304,7 @@ def test_run_samples_with_per_trial_seeds_and_records_how(tmp_path, monkeypatch)
     import json
     import sys
 
-    from moebench.cli import main
+    from moebench.cli.app import main
 
     def run(run_id, *extra):
         monkeypatch.setattr(sys, "argv", ["moebench", "run", "--limit", "8", "--max-new-tokens", "24", "--warmup", "2",

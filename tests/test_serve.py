@@ -20,8 +20,8 @@ import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
 from moebench.engine.loader import load_tokenizer
-from moebench.run import bundled_model_path
-from moebench.serve import ServeProcess
+from moebench.measuring.run import bundled_model_path
+from moebench.serve.app import ServeProcess
 from moebench.suites import load_suite
 
 N_ITEMS = 24
@@ -263,7 +263,7 @@ def test_streamed_pieces_add_up_to_the_final_text_and_never_show_a_stop_string()
     texts over a small alphabet where stop strings and their prefixes come up all the time."""
     import random
 
-    from moebench.serve import TextStream
+    from moebench.serve.app import TextStream
 
     class CharTokenizer:  # one character per token id
         def decode(self, ids, skip_special_tokens=True):
@@ -297,7 +297,7 @@ def failing_step(self, *args, **kwargs):
     return step(self, *args, **kwargs)
 llm_engine.Engine._step = failing_step
 sys.argv = ["moebench", "serve", "--port", "0"]
-from moebench.cli import main
+from moebench.cli.app import main
 main()
 """
 

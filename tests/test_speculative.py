@@ -17,7 +17,7 @@ from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.engine.sequence import Sequence
 from moebench.engine.speculative import SpecSettings, Speculator, ngram_draft
 from moebench.errors import MoebenchError
-from moebench.run import _load_model, bundled_model_path
+from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 N_ITEMS = 12
@@ -257,11 +257,11 @@ def test_run_ablates_the_speculative_axis_with_its_evidence(tmp_path, monkeypatc
     import json
     import sys
 
-    from moebench.cli import main
+    from moebench.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["moebench", "run", "--ablate", "--axes", "kernel,speculative", "--limit", "8",
                                       "--max-new-tokens", "48", "--warmup", "2", "--repeats", "1", "--temperature", "2",
-                                      "--spec-tokens", "3", "--offload-tier", "host", "--out", str(tmp_path),
+                                      "--spec-tokens", "3", "--spec-max-batch", "16", "--offload-tier", "host", "--out", str(tmp_path),
                                       "--run-id", "spec"])
     with pytest.raises(SystemExit) as exc:
         main()
@@ -271,8 +271,8 @@ def test_run_ablates_the_speculative_axis_with_its_evidence(tmp_path, monkeypatc
     assert [c["name"] for c in manifest["configs"]] == ["baseline", "kernel", "speculative=ngram",
                                                          "kernel+speculative=ngram"]
     record = manifest["runtime"]["speculative"]
-    assert (record["method"], record["tokens"], record["axis_configs"]) == (
-        "ngram", 3, ["speculative=ngram", "kernel+speculative=ngram"])
+    assert (record["method"], record["tokens"], record["max_batch"], record["axis_configs"]) == (
+        "ngram", 3, 16, ["speculative=ngram", "kernel+speculative=ngram"])
     trials = {t["config"]: t for t in map(json.loads, (d / "trials.jsonl").read_text().splitlines())}
     for name, t in trials.items():
         ev = t["evidence"]["speculative"]

@@ -21,7 +21,7 @@ from moebench.engine.loader import load_tokenizer
 from moebench.engine.mtp import MtpHead, load_mtp, mtp_layer_count
 from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.errors import MoebenchError
-from moebench.run import _load_model, bundled_model_path
+from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -113,7 +113,7 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
 def test_the_head_computes_what_the_training_module_computes(tmp_path):
     """The paged, one-row-per-position forward against train_mtp's batched module on the same weights."""
     from moebench.engine.families import make_cache_and_model
-    from moebench.train_mtp import MtpModule, save_mtp
+    from moebench.models.train_mtp import MtpModule, save_mtp
 
     directory = make_tiny_checkpoint(tmp_path / "m")
     cfg = load_checkpoint(directory).config

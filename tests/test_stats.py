@@ -1,11 +1,11 @@
-"""Worked examples for moebench.stats, checked against values computed by hand."""
+"""Worked examples for moebench.results.stats, checked against values computed by hand."""
 
 import math
 
 import numpy as np
 import pytest
 
-from moebench import stats
+from moebench.results import stats
 
 Z = 1.959963984540054  # the 97.5% normal quantile
 

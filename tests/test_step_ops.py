@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from moebench.engine import load_checkpoint
 from moebench.engine import model as model_mod
 from moebench.engine.decode_path import decide as decide_decode_path
-from moebench.engine.expert_store import NoPrefetch, ResidentStore
+from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.model import MoeTransformer, RotaryEmbedding, build_forward_batch, cpu_step_ops, rms_norm
 from moebench.engine.moe import MoeBlock, make_kernel

@@ -6,7 +6,7 @@ import pytest
 
 from fixtures.make_run import make_run
 from moebench.errors import MoebenchError
-from moebench.summary import SCHEMA, build_summary, config_entry, verdict
+from moebench.results.summary import SCHEMA, build_summary, config_entry, verdict
 
 
 @pytest.fixture(scope="module")
@@ -196,16 +196,16 @@ def test_unusable_input_names_the_file(tmp_path):
 
 
 def test_load_summary_prefers_current_file_and_rebuilds_old(tmp_path):
-    from moebench.summary import load_summary, read_summary
+    from moebench.results.summary import load_summary, read_summary
 
     run = make_run(tmp_path)
     built = build_summary(run)
     (run / "summary.json").write_text(json.dumps({**built, "run_id": "from-file"}))
     assert load_summary(run)["run_id"] == "from-file"
     assert load_summary(run / "summary.json")["run_id"] == "from-file"
-    (run / "summary.json").write_text(json.dumps({**built, "schema": "moebench.summary/0"}))
+    (run / "summary.json").write_text(json.dumps({**built, "schema": "moebench.results.summary/0"}))
     assert load_summary(run) == built  # rebuilt from the raw files
-    with pytest.raises(MoebenchError, match="summary.json.*moebench.summary/1"):
+    with pytest.raises(MoebenchError, match="summary.json.*moebench.results.summary/1"):
         read_summary(run / "summary.json")
 
 

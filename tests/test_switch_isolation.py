@@ -16,7 +16,7 @@ STORE_KEYS = ("store", "expert_dtype", "slots_per_layer", "rows", "rows_per_laye
 
 @pytest.fixture(scope="module")
 def ckpt():
-    from moebench.run import bundled_model_path
+    from moebench.measuring.run import bundled_model_path
 
     # as `moebench run` loads it for an offloaded run: experts in the file's dtype
     return load_checkpoint(bundled_model_path(), dtype=torch.float32, experts_in_checkpoint_dtype=True)

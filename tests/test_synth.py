@@ -25,7 +25,7 @@ def train_items():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from moebench.train import BUNDLED_DIR, build_tokenizer
+    from moebench.models.train import BUNDLED_DIR, build_tokenizer
 
     path = BUNDLED_DIR / "tokenizer.json"
     if path.exists():

@@ -11,9 +11,9 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import binom, norm
 
-from moebench.paired_accuracy import (design_effect, detectable_drop, paired_difference, planned_drop,
+from moebench.results.paired_accuracy import (design_effect, detectable_drop, paired_difference, planned_drop,
                                       tango_interval)
-from moebench.verdict import judge_accuracy
+from moebench.results.verdict import judge_accuracy
 
 
 def _score(delta, gain, loss, n):

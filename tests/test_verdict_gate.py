@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from fixtures.make_run import make_run
 from moebench.errors import MoebenchError
-from moebench.gate import gate_command
-from moebench.plan import plan_command
+from moebench.cli.gate import gate_command
+from moebench.cli.plan import plan_command
 
 
 def _invoke(command, name, *args):
@@ -130,7 +130,7 @@ def test_plan_refuses_bad_input(args):
 
 
 def test_the_interval_in_summary_json_is_checked_against_the_raw_files(tmp_path):
-    from moebench.summary import build_summary
+    from moebench.results.summary import build_summary
 
     run = make_run(tmp_path, configs=("baseline", "kernel"))
     summary = build_summary(run)

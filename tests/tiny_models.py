@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moebench.random_models import write_char_tokenizer  # noqa: F401  (re-exported for tests)
+from moebench.models.random import write_char_tokenizer  # noqa: F401  (re-exported for tests)
 
 FAMILIES = {
     # name: (family, overrides) — odd shapes on purpose: experts not a power of two,

@@ -1,0 +1,565 @@
+"""`moebench bench-engine`: the bundled runtime against another engine on the same checkpoint,
+prompts, batch and greedy settings, timed side by side (interleaved rounds) in one command.
+
+`--vs transformers` (default) times `transformers.generate()` in this process; `--vs llama.cpp`
+exports the checkpoint to a GGUF of the same weight type (`moebench export gguf`, `--dtype`: a
+bfloat16 checkpoint as BF16, or F16 with `--gguf-dtype f16`) and times llama.cpp's own
+`llama-server` (built by `moebench engines build-llamacpp`), started once per thread count with
+its weights read into memory (`--load-mode none`, i.e. no mmap) in huge pages (glibc's malloc
+asked for transparent huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1; the server's
+`AnonHugePages` is checked and printed) and an F32 KV cache, as the runtime keeps its own.
+
+Decode tokens/s for every engine = batch * (new_tokens - 1) / (time(new_tokens) - time(1)): the
+same subtraction of the prefill (and of the HTTP round trip) for each, so no engine is measured by
+a different clock. Each round runs every engine once per (threads, batch), alternating which goes
+first; the table shows medians over rounds and the median of the per-round ratios.
+
+Beside the rates: the bytes a decode step must read (the runtime's own step records: its routed
+experts' weights, every other weight, the KV cache; for llama.cpp and transformers the same step
+with their own weights' bytes: the GGUF's tensors, or transformers' float32 parameters), the read bandwidth measured in the same run
+at the same thread count (a 256 MB buffer in huge pages read by the fastest reader at hand, torch's
+`sum` or the extension's four-runs read, best of three each: `moebench.measuring.machine`) and the
+memory-bandwidth roofline, batch * bandwidth / bytes per step, with each engine's fraction of it.
+The bandwidth of these VMs drifts by a third from one minute to the next, so each timed run is
+paired with the bandwidth of its own minute: probes are taken between the runs of a round (before
+the first, between the two, after the second), a run's roofline is the higher of the probes just
+before and just after it, and an engine's fraction is the median over rounds of its runs' paired
+fractions. The fraction of the run's best probe (a median rate against the fastest minute, which
+drift alone pulls down) is kept beside it. Greedy tokens of every engine are compared with transformers' for the same
+prompts (transformers runs once, batched, before any timing, and is then freed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moebench.errors import MoebenchError
+
+DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                     head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
+                     intermediate_size=2048, vocab_size=32000)
+VS_CHOICES = ("transformers", "llama.cpp", "moebench")
+DTYPES = ("f32", "bf16")  # the runtime's weights: a float32 or a bfloat16 checkpoint
+MANIFEST_SCHEMA = "moebench.bench-engine/1"
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+class BundledSide:
+    """The bundled runtime in this process (with an LM head in `lm_head` precision)."""
+
+    def __init__(self, ckpt, kernel: str, scheduler: str, decode_path: str = "native", lm_head: str = "f32",
+                 name: str = "moebench"):
+        self.ckpt, self.kernel, self.scheduler, self.decode_path = ckpt, kernel, scheduler, decode_path
+        self.lm_head, self.name = lm_head, name
+        self.last_steps: list[dict] = []
+        self.last_evidence: dict = {}
+
+    def run(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, list[list[int]]]:
+        import torch
+
+        from moebench.engine import Engine, Request, RuntimeConfig
+
+        torch.set_num_threads(threads)
+        engine = Engine(self.ckpt, None, RuntimeConfig(kernel=self.kernel, scheduler=self.scheduler,
+                                                       decode_path=self.decode_path,
+                                                       batch_size=len(prompts), max_new_tokens=new_tokens,
+                                                       lm_head=self.lm_head))
+        reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
+        start = time.perf_counter()
+        result = engine.generate(reqs, prompt_ids=prompts)
+        seconds = time.perf_counter() - start
+        if result.activation_errors:
+            raise MoebenchError("bundled runtime: " + "; ".join(result.activation_errors))
+        self.last_steps, self.last_evidence = result.steps, result.evidence
+        return seconds, [c.output_ids for c in result.completions]
+
+
+class TransformersSide:
+    """transformers' generate() in this process (its weights in huge pages, as the runtime's)."""
+
+    name = "transformers"
+
+    def __init__(self, path: Path, experts: str, huge_pages: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from moebench.engine.memory import to_huge_pages
+
+        # transformers 5 runs experts through torch._grouped_mm by default; "eager" is its
+        # per-expert loop, the same algorithm as the engine's kernel=naive
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          experts_implementation=experts).eval()
+        if huge_pages:
+            for param in self.model.parameters():
+                param.data = to_huge_pages(param.data)
+
+    def run(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, list[list[int]]]:
+        import torch
+
+        torch.set_num_threads(threads)
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - start
+        return seconds, out[:, ids.shape[1]:].tolist()
+
+
+class LlamaServerSide:
+    """llama.cpp's llama-server on the checkpoint's F32 GGUF, one server per thread count."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, max_batch: int, context_per_slot: int, log_dir: Path):
+        from moebench.backends.llamacpp import llama_server_path
+
+        self.binary = llama_server_path()
+        self.gguf = gguf
+        self.slots = max_batch
+        self.context = max_batch * context_per_slot
+        self.context_per_slot = context_per_slot
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen | None = None
+        self.threads: int | None = None
+        self.url = ""
+        self.huge_page_bytes: dict[int, int] = {}
+        self.argv: list[str] = []
+
+    def start(self, threads: int) -> None:
+        import httpx
+
+        from moebench.backends.server import free_port
+        from moebench.processes import die_with_parent
+
+        self.stop()
+        port = free_port()
+        self.argv = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
+                     "-t", str(threads), "-tb", str(threads), "--load-mode", "none", "-c", str(self.context),
+                     "--parallel", str(self.slots), "--override-kv",
+                     f"qwen3moe.context_length=int:{max(self.context_per_slot, 512)}",
+                     "-ctk", "f32", "-ctv", "f32", "--cache-ram", "0", "--no-warmup"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+        log = open(self.log_dir / f"llama-server-t{threads}.log", "wb")
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True,
+                                     preexec_fn=lambda: die_with_parent(os.getppid(), signal.SIGKILL))
+        log.close()
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                tail = (self.log_dir / f"llama-server-t{threads}.log").read_text(errors="replace").strip()
+                raise MoebenchError(f"llama-server exited with code {self.proc.returncode} while loading; its log "
+                                    f"ends: {' | '.join(tail.splitlines()[-3:])}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise MoebenchError(f"llama-server not healthy after 300 s (log: {self.log_dir})")
+            time.sleep(0.25)
+        self.threads = threads
+        self.huge_page_bytes[threads] = _anon_huge_page_bytes(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self.proc = None
+
+    def _complete(self, prompt: list[int], new_tokens: int) -> list[int]:
+        import httpx
+
+        body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        response = httpx.post(self.url + "/completion", json=body, timeout=600.0)
+        if response.status_code != 200:
+            raise MoebenchError(f"llama-server answered {response.status_code}: {response.text[:200]}")
+        return list(response.json().get("tokens") or [])
+
+    def run(self, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[float, list[list[int]]]:
+        if self.threads != threads or self.proc is None:
+            self.start(threads)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            start = time.perf_counter()
+            tokens = list(pool.map(lambda p: self._complete(p, new_tokens), prompts))
+            seconds = time.perf_counter() - start
+        return seconds, tokens
+
+
+def _anon_huge_page_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def decode_rate(batch: int, new_tokens: int, short_s: float, long_s: float) -> float:
+    """Decode tokens/s from a run of 1 and a run of `new_tokens` tokens per request (NaN where the
+    longer run was not slower: noise larger than the decode time, nothing to report)."""
+    return batch * (new_tokens - 1) / (long_s - short_s) if long_s > short_s else float("nan")
+
+
+def decode_bytes_per_step(steps: list[dict]) -> float:
+    """Mean bytes read per decode step, from the runtime's step records."""
+    decode = [s["bytes_read"] for s in steps if s["phase"] == "decode"]
+    if not decode:
+        raise MoebenchError("the measured run had no decode step (use --new-tokens >= 2)")
+    return sum(decode) / len(decode)
+
+
+def step_weight_bytes(ckpt) -> tuple[int, int]:
+    """(bytes of the weights every decode step reads besides the routed experts, bytes of one expert),
+    as the runtime holds them (a bfloat16 checkpoint's stay bfloat16 on the CPU)."""
+    from moebench.engine.families import non_expert_bytes_per_step
+
+    w13 = next(layer.w13 for layer in ckpt.layers if layer.w13 is not None)
+    return non_expert_bytes_per_step(ckpt, 4), ckpt.config.expert_param_count * w13.element_size()
+
+
+def gguf_weight_bytes(path: Path, cfg) -> tuple[int, int]:
+    """The same two figures for a GGUF file, from its tensors' sizes (attention projections and the
+    output matrix, as the runtime counts them; the experts of every layer over their number)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    dense = sum(n for name, n in sizes.items()
+                if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output"))
+    dense += sizes.get("output.weight", sizes["token_embd.weight"])  # a tied head reads the embeddings
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    experts = sum(n for name, n in sizes.items() if name.endswith("_exps.weight"))
+    return dense, experts // (cfg.num_experts * moe_layers)
+
+
+def float32_weight_bytes(ckpt) -> tuple[int, int]:
+    """The same two figures for float32 weights (transformers' copy of the checkpoint)."""
+    cfg = ckpt.config
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    return 4 * (cfg.num_layers * attn + cfg.vocab_size * cfg.hidden_size), cfg.expert_param_count * 4
+
+
+def other_bytes_per_step(steps: list[dict], ours: tuple[int, int], theirs: tuple[int, int], moe_layers: int) -> float:
+    """Mean bytes per decode step of another engine running the same steps (the same distinct experts
+    per layer and KV cache) with its own weights' bytes: the runtime's step bytes with its weights
+    swapped for the other engine's."""
+    decode = [s for s in steps if s["phase"] == "decode"]
+    if not decode:
+        raise MoebenchError("the measured run had no decode step (use --new-tokens >= 2)")
+    swapped = [s["bytes_read"] - ours[0] + theirs[0] + s["distinct_experts"] * moe_layers * (theirs[1] - ours[1])
+               for s in decode]
+    return sum(swapped) / len(swapped)
+
+
+def identical_count(tokens: list[list[int]], reference: list[list[int]]) -> int:
+    return sum(list(a) == list(b) for a, b in zip(tokens, reference))
+
+
+def first_difference(tokens: list[list[int]], reference: list[list[int]]) -> list[int | None]:
+    """Per sequence, the index of the first token that differs from the reference (None: none)."""
+    out = []
+    for a, b in zip(tokens, reference):
+        out.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                        None if len(a) == len(b) else min(len(a), len(b))))
+    return out
+
+
+def round_interval(values: list[float]) -> dict:
+    """The geometric mean of per-round values (ratios, roofline fractions) and its 95% Student t
+    interval on their logs, as `moebench run` gives its speedups: how far one run's figure can be
+    trusted when a cell's rounds spread by a third from minute to minute."""
+    from moebench.results import stats
+
+    centre, (low, high) = stats.trial_interval(values)  # NaN rounds (no decode time) left out
+    if not math.isfinite(low):  # fewer than two usable rounds
+        return {"geomean": None, "ci95": None}
+    return {"geomean": centre, "ci95": [low, high]}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def bench_engine_command(
+    model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory; default: a random 0.89B Qwen3-MoE (8 layers, hidden 1024, 128 experts top-8, width 256, vocab 32000) written to a temp dir."),
+    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process), llama.cpp (llama-server on the checkpoint exported to an F32 GGUF) or moebench (the runtime itself with its float32 LM head: with --lm-head, that head's speedup)."),
+    batch: list[int] = typer.Option([1, 16], "--batch", help="Batch sizes to measure (repeat the option)."),
+    threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread counts to measure (repeat the option); default: every core of the machine, the count that measured fastest for both engines at batch 1 and 16 (docs/cpu-decode.md)."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens per request."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Greedy tokens generated per request."),
+    repeats: int = typer.Option(3, "--repeats", help="Interleaved rounds; medians over rounds are shown."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Override the random model's layer count (smaller = faster)."),
+    kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
+    scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="The runtime's weights: f32 or bf16. The random checkpoint is written in it (default f32); with --model, the checkpoint's own type (the default) and no other. llama.cpp gets a GGUF of the same type unless --gguf-dtype says."),
+    gguf_dtype: Optional[str] = typer.Option(None, "--gguf-dtype", help="llama.cpp's GGUF weight type: f32, f16, bf16 or q8_0 (default: --dtype). f16 has bf16's bytes per weight; take whichever of the two llama.cpp runs faster on the CPU at hand."),
+    decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
+    lm_head: str = typer.Option("f32", "--lm-head", help="The runtime's LM head precision: f32, bf16, int8 or fp8 (weight-only, float32 accumulation; approximate). --vs moebench times it against the float32 head."),
+    hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
+    hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the figures, settings and machine as JSON here (a manifest of the benchmark)."),
+):
+    """Decode tok/s of the bundled runtime against transformers or llama.cpp on one checkpoint, with
+    bytes per step, the roofline at the bandwidth measured in the same run, and greedy agreement."""
+    if vs not in VS_CHOICES:
+        raise MoebenchError(f"--vs {vs!r}: choose from {', '.join(VS_CHOICES)}")
+    if new_tokens < 2:
+        raise MoebenchError(f"--new-tokens must be >= 2 (decode is timed as 1 token against N), got {new_tokens}")
+    if repeats < 1 or prompt_len < 1 or any(b < 1 for b in batch):
+        raise MoebenchError("--repeats, --prompt-len and --batch must be >= 1")
+    if kernel not in ("naive", "fused") or scheduler not in ("static", "continuous"):
+        raise MoebenchError(f"--kernel {kernel!r} / --scheduler {scheduler!r}: expected naive|fused, static|continuous")
+    if lm_head not in ("f32", "bf16", "int8", "fp8"):
+        raise MoebenchError(f"--lm-head {lm_head!r}: choose from f32, bf16, int8, fp8")
+    if vs == "moebench" and lm_head == "f32":
+        raise MoebenchError("--vs moebench times the runtime against its float32 LM head: give --lm-head bf16, int8 or fp8")
+    default_threads = threads is None or not threads
+    thread_counts = sorted(set(threads)) if not default_threads else [default_thread_count()]
+    if any(t < 1 for t in thread_counts):
+        raise MoebenchError(f"--threads must be >= 1, got {thread_counts}")
+    if model is not None and not (model / "config.json").is_file():
+        raise MoebenchError(f"--model {model}: no config.json there")
+    from moebench.models.export_gguf import WEIGHT_DTYPES
+
+    if dtype is not None and dtype not in DTYPES:
+        raise MoebenchError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    if gguf_dtype is not None and gguf_dtype not in WEIGHT_DTYPES:
+        raise MoebenchError(f"--gguf-dtype {gguf_dtype!r}: choose from {', '.join(WEIGHT_DTYPES)}")
+
+    import gc
+
+    import torch  # here, not at the top: `moebench --help` imports this module
+
+    from moebench.engine import load_checkpoint
+    from moebench.measuring.machine import describe_machine, git_commit, package_versions, read_bandwidth_by_reader
+    from moebench.models.random import make_random_qwen3_moe, write_char_tokenizer
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    commit = git_commit()  # the code the run starts with (the extension is built from it)
+    batches = sorted(set(batch))
+    with tempfile.TemporaryDirectory(prefix="moebench-bench-engine-") as tmp:
+        tmp = Path(tmp)
+        path = model
+        if path is None:
+            overrides = {"num_hidden_layers": layers} if layers else {}
+            with console.status(f"writing a random Qwen3-MoE checkpoint ({dtype or 'f32'})"):
+                path = make_random_qwen3_moe(tmp / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0,
+                                             dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+                if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
+                    write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
+        # experts as the store holds them on the CPU (a bfloat16 checkpoint's stay bfloat16), as `run` loads
+        ckpt = load_checkpoint(path, experts_in_checkpoint_dtype=True)
+        held = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(ckpt.checkpoint_dtype)
+        if held is None or (dtype is not None and dtype != held):
+            raise MoebenchError(f"--model {path}: the checkpoint's weights are {ckpt.checkpoint_dtype}, not --dtype "
+                                f"{dtype} (the runtime computes with the checkpoint's own; choose from {', '.join(DTYPES)})")
+        dtype, gguf_dtype = held, gguf_dtype or held
+        our_weights = their_weights = step_weight_bytes(ckpt)
+        moe_layers = sum(ckpt.config.is_moe_layer(i) for i in range(ckpt.config.num_layers))
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), prompt_len), generator=g).tolist()
+
+        # transformers' greedy tokens for every prompt, once, batched, before any timing
+        with console.status("transformers: greedy reference tokens"):
+            hf = TransformersSide(path, hf_experts, hf_huge_pages)
+            _, reference = hf.run(prompts, new_tokens, max(thread_counts))
+        if vs == "moebench":  # the same runtime with the checkpoint's own (float32) LM head
+            del hf
+            gc.collect()
+            other = BundledSide(ckpt, kernel, scheduler, decode_path, "f32", name="moebench f32 head")
+        elif vs == "llama.cpp":
+            del hf
+            gc.collect()
+            from moebench.models.export_gguf import export_gguf
+
+            with console.status(f"exporting the checkpoint to a {gguf_dtype.upper()} GGUF"):
+                gguf = export_gguf(path, tmp / f"model-{gguf_dtype}.gguf", gguf_dtype)
+            other = LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)
+            their_weights = gguf_weight_bytes(gguf, ckpt.config)
+        else:
+            other = hf
+            their_weights = float32_weight_bytes(ckpt)
+        bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head,
+                              name="moebench" if lm_head == "f32" else f"moebench {lm_head} head")
+
+        rows = []
+        try:
+            for t in thread_counts:
+                torch.set_num_threads(t)
+                readers: list[dict[str, float]] = []  # each probe's GB/s by reader, in the order taken
+                figures = {(b, side.name): {"rates": [], "bandwidths": [], "tokens": None}
+                           for b in batches for side in (bundled, other)}
+                # bytes a decode step reads, by the runtime's own step records (each side of --vs moebench its own)
+                bytes_per_step = {(b, side.name): [] for b in batches for side in (bundled, other)}
+                # llama.cpp's or transformers': the runtime's steps with their weights' bytes
+                swapped_bytes: dict[int, list[float]] = {b: [] for b in batches}
+                for b in batches:  # warm-up: first touches, the server's start
+                    for side in (bundled, other):
+                        side.run(prompts[:b], 2, t)
+                def probe() -> float:
+                    torch.set_num_threads(t)
+                    readers.append(read_bandwidth_by_reader())
+                    return max(readers[-1].values())
+
+                for round_ in range(repeats):
+                    for b in batches:
+                        order = (bundled, other) if (round_ + b) % 2 == 0 else (other, bundled)
+                        before = probe()
+                        for side in order:
+                            short_s, _ = side.run(prompts[:b], 1, t)
+                            long_s, tokens = side.run(prompts[:b], new_tokens, t)
+                            after = probe()
+                            cell = figures[(b, side.name)]
+                            cell["rates"].append(decode_rate(b, new_tokens, short_s, long_s))
+                            cell["bandwidths"].append(max(before, after))
+                            cell["tokens"] = tokens
+                            if isinstance(side, BundledSide):
+                                bytes_per_step[(b, side.name)].append(decode_bytes_per_step(side.last_steps))
+                            if side is bundled and not isinstance(other, BundledSide):
+                                swapped_bytes[b].append(other_bytes_per_step(side.last_steps, our_weights,
+                                                                             their_weights, moe_layers))
+                            before = after
+                best = max(max(r.values()) for r in readers)
+                for b in batches:
+                    mine, theirs = figures[(b, bundled.name)], figures[(b, other.name)]
+                    step_bytes = _median(bytes_per_step[(b, bundled.name)])
+                    # the runtime with another LM head counts its own steps; another engine reads the
+                    # runtime's steps in its own weights' bytes (other_bytes_per_step)
+                    other_bytes = _median(bytes_per_step[(b, other.name)] if isinstance(other, BundledSide)
+                                          else swapped_bytes[b])
+                    bandwidth = _median(mine["bandwidths"] + theirs["bandwidths"])
+                    ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
+
+                    def engine_row(cell, step_bytes):
+                        fractions = [rate * step_bytes / (b * gb_s * 1e9)
+                                     for rate, gb_s in zip(cell["rates"], cell["bandwidths"])]
+                        return {"bytes_per_step": step_bytes, "decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
+                                "bandwidth_gb_s_rounds": cell["bandwidths"], "roofline_fraction_rounds": fractions,
+                                "roofline_fraction": _median(fractions),
+                                "roofline_fraction_interval": round_interval(fractions),
+                                "roofline_fraction_of_best_probe": _median(cell["rates"]) * step_bytes / (b * best * 1e9),
+                                "greedy_identical_to_transformers": identical_count(cell["tokens"], reference[:b]),
+                                "first_difference": first_difference(cell["tokens"], reference[:b])}
+
+                    rows.append({
+                        "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
+                        "best_bandwidth_gb_s": best, "bandwidth_by_reader_probes": readers,
+                        "roofline_tok_s": b * bandwidth * 1e9 / step_bytes,
+                        **({"other_bytes_per_step": other_bytes} if other_bytes != step_bytes else {}),
+                        "engines": {bundled.name: engine_row(mine, step_bytes), other.name: engine_row(theirs, other_bytes)},
+                        "ratio_median": _median(ratios), "ratio_rounds": ratios,
+                        "ratio_interval": round_interval(ratios),
+                    })
+        finally:
+            if isinstance(other, LlamaServerSide):
+                other.stop()
+
+        weights = f"{bundled.name} {dtype}, {other.name} " + (
+            gguf_dtype if isinstance(other, LlamaServerSide) else "f32" if isinstance(other, TransformersSide) else dtype)
+        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled, weights)
+        if out is not None:
+            from moebench.fileio import atomic_write_json
+
+            manifest = {
+                "schema": MANIFEST_SCHEMA, "git_commit": commit, "versions": package_versions(),
+                "vs": vs, "model": str(model) if model else "random qwen3_moe",
+                "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+                "dtype": dtype, "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
+                "gguf_dtype": gguf_dtype if isinstance(other, LlamaServerSide) else None,
+                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "batches": batches, "threads": thread_counts,
+                "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
+                "machine": describe_machine(measure_bandwidth=False),
+                "runtime_evidence": bundled.last_evidence,
+                "llama_server": ({"argv": other.argv, "huge_page_bytes": other.huge_page_bytes}
+                                 if isinstance(other, LlamaServerSide) else None),
+                "rows": rows,
+            }
+            atomic_write_json(out, manifest)
+            console.print(f"wrote {out}")
+
+
+THREADS_REASON = ("every core: with the step's thread pool (kernels/csrc/dense_cpu.cpp) the decode step measured "
+                  "faster with 2 threads than with 1 at batch 1 and 16 on the 2-core machine (docs/cpu-decode.md), "
+                  "and llama.cpp's fastest setting was also every core")
+
+
+def default_thread_count() -> int:
+    """Every core this process may run on (see THREADS_REASON)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_tokens: int, repeats: int,
+                 other, bundled, weights: str) -> None:
+    table = Table(title=f"decode tok/s (median of {repeats} interleaved rounds), {ckpt.num_params / 1e9:.2f}B params, "
+                        f"prompt {prompt_len}, {new_tokens} new tokens, greedy; weights: {weights}")
+    for col in ("threads", "batch", bundled.name, other.name, "ratio", f"{bundled.name} MB/step",
+                f"{other.name} MB/step", "read GB/s", f"{bundled.name} roofline",
+                f"{bundled.name} % roof", f"{other.name} % roof", "greedy = transformers"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        mine, theirs = r["engines"][bundled.name], r["engines"][other.name]
+        table.add_row(
+            str(r["threads"]), str(r["batch"]), f"{mine['decode_tok_s']:.1f}", f"{theirs['decode_tok_s']:.1f}",
+            f"{r['ratio_median']:.2f}x", f"{r['bytes_per_step'] / 1e6:.0f}", f"{theirs['bytes_per_step'] / 1e6:.0f}",
+            f"{r['bandwidth_gb_s']:.1f}",
+            f"{r['roofline_tok_s']:.1f}", f"{mine['roofline_fraction']:.0%}", f"{theirs['roofline_fraction']:.0%}",
+            f"{mine['greedy_identical_to_transformers']}/{r['batch']}, {theirs['greedy_identical_to_transformers']}/{r['batch']}")
+    console.print(table)
+    console.print("read GB/s: median of the probes taken beside the timed runs; % roof: median over rounds of each "
+                  "run's rate against the probes just before and after it. Against the run's best probe: " + "; ".join(
+                      f"{r['threads']}t b{r['batch']} {r['engines'][bundled.name]['roofline_fraction_of_best_probe']:.0%}"
+                      f" / {r['engines'][other.name]['roofline_fraction_of_best_probe']:.0%}"
+                      f" ({r['best_bandwidth_gb_s']:.1f} GB/s)" for r in rows) + f" ({bundled.name} / {other.name})")
+    if repeats >= 2:
+        console.print(f"95% intervals over the {repeats} rounds (Student t on the logs of the per-round values; "
+                      "geometric mean [low, high]): " + "; ".join(
+                          f"{r['threads']}t b{r['batch']} ratio {interval_text(r['ratio_interval'], 'x')}, "
+                          f"{bundled.name} % roof {interval_text(r['engines'][bundled.name]['roofline_fraction_interval'], '%')}"
+                          for r in rows), markup=False)  # "[low, high]" is text, not a style tag
+    if isinstance(other, LlamaServerSide):
+        pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
+        console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")
+
+
+def interval_text(interval: dict, unit: str) -> str:
+    """A round_interval as "geomean [low, high]", unit "x" (ratios) or "%" (fractions)."""
+    if interval["ci95"] is None:
+        return "n/a"
+    values = [interval["geomean"], *interval["ci95"]]
+    if unit == "%":
+        return "{:.0%} [{:.0%}, {:.0%}]".format(*values)
+    return "{:.2f}x [{:.2f}, {:.2f}]".format(*values)

@@ -1,0 +1,473 @@
+"""`moebench run`: measure one configuration, or the ablation matrix, on a suite.
+
+Trials are interleaved (A B C ... A B C ...) after a warm-up so that drift on a shared machine
+hits every configuration alike. Samples are appended as they complete, so an interrupted run
+keeps them and `--resume` continues it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import secrets
+import shlex
+import sys
+from pathlib import Path
+
+
+from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, OFF, SPECULATIVE_AXIS, SWITCHES, ConfigPoint,
+                               ablation_matrix, negative_control, parse_axes, point, resident_reference)
+from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
+from moebench.ablation import runtime_for as _runtime_for
+from moebench.models.bundled import BUNDLED_MODEL, bundled_model_path  # noqa: F401 (imported from here)
+from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS
+from moebench.errors import MoebenchError, describe_os_error
+from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
+from moebench.engine.sampling import check_sampling_options
+
+# the engine's own lists of strategy names: one source of truth for what each switch accepts
+IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
+
+
+def _budget_text(args: dict) -> str:
+    """The run's expert budget: as given, else 0.5 for the bundled default's ablation (offloading is
+    part of what it measures), else 1.0."""
+    budget = args["expert_budget"]
+    if budget is None:
+        budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
+    return budget
+
+
+def _model_summary(ckpt) -> dict:
+    c = ckpt.config
+    digest = hashlib.sha256()
+    for f in ckpt.files:
+        digest.update(f.name.encode())
+        digest.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+    return {
+        "path": str(ckpt.path),
+        "model_type": c.family,
+        "fingerprint": digest.hexdigest()[:16],
+        "num_params": ckpt.num_params,
+        "num_layers": c.num_layers,
+        "num_experts": c.num_experts,
+        "top_k": c.top_k,
+        "hidden_size": c.hidden_size,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "dtype": str(ckpt.checkpoint_dtype).replace("torch.", ""),
+        # the dtype attention projections and an untied LM head are held and streamed in (a bfloat16
+        # checkpoint's stay bfloat16 on the CPU: engine/loader.py keeps_dense_in_checkpoint_dtype)
+        "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
+    }
+
+
+def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) -> None:
+    """Check the run's arguments, claim its folder (or take the one to resume), measure, and write it."""
+    from moebench.engine import RuntimeConfig
+
+    manifest = read_manifest(resume) if resume is not None else None
+    if args["repeats"] < 1:
+        raise MoebenchError(f"--repeats must be >= 1, got {args['repeats']}")
+    if args["warmup"] < 0:
+        raise MoebenchError(f"--warmup must be >= 0 (0 skips the warm-up), got {args['warmup']}")
+    check_sampling_options(args.get("temperature", 0.0), args.get("top_p"), args.get("top_k"))
+    if args["factorial"] and not args["ablate"]:
+        raise MoebenchError("--factorial needs --ablate")
+    if run_id is not None and (not run_id or run_id in (".", "..") or "/" in run_id or os.sep in run_id):
+        raise MoebenchError(f"--run-id '{run_id}': expected a plain folder name")
+
+    http = args.get("engine", "bundled") != "bundled"
+    if not http:  # fail on a bad switch before claiming a folder or loading anything
+        configs = _configs(args)
+        threads = args.get("threads")
+        if threads is None and args["device"] == "cpu":
+            threads = 1
+        if threads is not None and threads < 0:
+            raise MoebenchError(f"--threads must be >= 0, got {threads}")
+        budget = _budget_text(args)
+        from moebench.engine.store.factory import resolve_tier  # (torch) only once the switches are valid
+
+        base_runtime = RuntimeConfig(
+            device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
+            admission=args["admission"], expert_budget=_parse_budget(budget),
+            offload_tier=resolve_tier(args["offload_tier"], args["device"]),
+            decode_path=args.get("decode_path", "auto"),  # (a manifest from before the option: auto)
+            # with --ablate the speculative axis's points set it themselves (ablation.runtime_for)
+            speculative="off" if args["ablate"] else args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
+            spec_max_batch=args.get("spec_max_batch"),
+        )
+        for cfg in configs:
+            _runtime_for(base_runtime, cfg)
+
+    # The run's folder is claimed before any work, so an unwritable --out or a taken --run-id is
+    # one line now, not a traceback after the model loaded, and two runs never share a folder.
+    if resume is not None:
+        run_dir, claimed = Path(resume), False
+        ensure_writable_dir(run_dir, "--resume")
+    else:
+        run_dir, claimed = _claim_run_dir(Path(out), run_id, args), True
+        manifest = None
+    lock = _lock_run(run_dir)
+    try:
+        if resume is not None:
+            _drop_torn_tails(run_dir)
+        if http:
+            _run_over_http(args, run_dir, manifest)
+        else:
+            _run_bundled(args, run_dir, manifest, configs, threads, base_runtime)
+    except BaseException as e:
+        started = (run_dir / "manifest.json").exists()
+        trials = run_dir / "trials.jsonl"
+        measured = trials.exists() and trials.stat().st_size > 0
+        if claimed and not measured and (not started or isinstance(e, MoebenchError)):
+            # refused (a budget the store cannot hold, say) or stopped before the manifest: nothing to
+            # keep or resume. A stop after the manifest keeps the folder: the message printed with it
+            # says `--resume DIR`, and the samples so far are the user's to read.
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and started:  # at any point after the manifest: how to go on
+            print(f"interrupted: {kept_trials_note(run_dir, _total_trials(run_dir))}; "
+                  f"continue with: moebench run --resume {shlex.quote(str(run_dir))}", file=sys.stderr, flush=True)
+        if isinstance(e, OSError) and started:  # e.g. the disk filled up: what is kept, how to go on
+            raise MoebenchError(f"{describe_os_error(e)}; {kept_trials_note(run_dir, _total_trials(run_dir))}; "
+                                f"then continue with: moebench run --resume {shlex.quote(str(run_dir))}") from None
+        raise
+    finally:
+        os.close(lock)
+    _print_next_steps(run_dir)
+
+
+def _claim_run_dir(out: Path, run_id: str | None, args: dict) -> Path:
+    """Create the run's folder exclusively (mkdir fails if it exists): two runs started at the same
+    moment get two folders, and a --run-id that exists is refused instead of merged into."""
+    ensure_writable_dir(out, "--out")
+    for _ in range(8):
+        run_dir = out / (run_id or _default_run_id(args))
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            if run_id is not None:
+                raise MoebenchError(_taken(run_dir)) from None
+        except OSError as e:
+            raise MoebenchError(f"--out {out}: cannot create {run_dir.name} there ({e.strerror or e})") from None
+    raise MoebenchError(f"--out {out}: could not find a free run id")
+
+
+def _taken(run_dir: Path) -> str:
+    return (f"{run_dir}: already exists (choose another --run-id, or continue that run "
+            f"with --resume {shlex.quote(str(run_dir))})")
+
+
+def _lock_run(run_dir: Path) -> int:
+    """Hold an exclusive lock on the run's folder while writing it; the OS releases it when the
+    process ends in any way, kill -9 included. A second writer (two --resume at once) is refused."""
+    import fcntl
+
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MoebenchError(f"{run_dir}: another moebench process is writing this run now; "
+                            "wait for it to finish or stop it first") from None
+    return fd
+
+
+def _drop_torn_tails(run_dir: Path) -> None:
+    for name in ("trials.jsonl", "samples.jsonl"):
+        f = run_dir / name
+        if f.exists():
+            dropped = drop_torn_tail(f)
+            if dropped:
+                print(f"moebench: warning: {f}: dropped a torn last line ({dropped} bytes) left by an "
+                      "interrupted write; its trial is redone", file=sys.stderr)
+
+
+def kept_trials_note(run_dir: Path, total: int | None = None) -> str:
+    """How much of an interrupted run is kept: only complete trials count (resume redoes the rest)."""
+    try:
+        done = {(r["config"], r["trial"]) for r in read_jsonl(run_dir / "trials.jsonl")} \
+            if (run_dir / "trials.jsonl").exists() else set()
+        partial = [r for r in read_jsonl(run_dir / "samples.jsonl") if (r["config"], r["trial"]) not in done] \
+            if (run_dir / "samples.jsonl").exists() else []
+    except (MoebenchError, OSError, KeyError):
+        return f"the complete trials so far are kept in {run_dir}"
+    of = f" of {total}" if total else ""
+    note = f"{len(done)}{of} trials complete and kept in {run_dir}"
+    if partial:
+        note += f" (the {len(partial)} samples of the unfinished trial are redone on resume)"
+    return note
+
+
+def _total_trials(run_dir: Path) -> int | None:
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        return int(manifest["repeats"]) * len(manifest["configs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _print_next_steps(run_dir: Path) -> None:
+    where = shlex.quote(str(run_dir))
+    print(f"next: moebench report {where}\n      moebench gate {where}", flush=True)
+
+
+def _load_run_suite(args: dict):
+    from moebench.suites import load_suite
+
+    if args["limit"] is None and args["suite"] == "gsm-synth":
+        args["limit"] = 200
+    return load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
+                      num_fewshot=args["num_fewshot"])
+
+
+def _fitting_suite(args: dict):
+    """The run's suite, refused when its longest prompt plus --max-new-tokens exceeds the model's
+    context: past it the model writes garbage that would score as wrong answers (exit 0)."""
+    from moebench.context_fit import check_suite_fits, run_hint, tokenizer_encoder
+    from moebench.engine.families import parse_model_config
+    from moebench.engine.loader import load_tokenizer
+
+    suite_obj = _load_run_suite(args)
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    if not model_path.is_dir():
+        return suite_obj  # the loader, next, says what is wrong with the path
+    context = parse_model_config(model_path / "config.json").max_position_embeddings
+    check_suite_fits(suite_obj, tokenizer_encoder(load_tokenizer(model_path)), args["max_new_tokens"], context,
+                     model_path.name, run_hint(suite_obj))
+    return suite_obj
+
+
+def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime) -> None:
+    # before the model loads: a refusal here removes the folder just claimed (nothing ran in it)
+    suite_obj = _fitting_suite(args)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    ckpt, tokenizer = _load_model(model_path, base_runtime)
+
+    if manifest is None:
+        manifest = _manifest(args, run_dir, ckpt, suite_obj, configs, base_runtime)
+        atomic_write_json(run_dir / "manifest.json", manifest)
+    from moebench.measuring.measure import measure
+
+    measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, base_runtime, args)
+
+
+def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
+    """The same measurement, statistics and files, with an OpenAI-compatible server as the engine."""
+    from moebench.backends.http import HttpBackend
+    from moebench.backends.openai import ClientOptions
+    from moebench.backends.profiles import load_profiles
+    from moebench.backends.server import Placeholders
+    from moebench.measuring.measure import _requests, measure
+    from moebench.suites import load_suite
+
+    if (args["base_url"] is None) == (args["profiles"] is None):
+        raise MoebenchError("--engine openai needs exactly one of --base-url URL or --profiles FILE")
+    if args["concurrency"] < 1:
+        raise MoebenchError(f"--concurrency must be >= 1, got {args['concurrency']}")
+    if args["temperature"] < 0:
+        raise MoebenchError(f"--temperature must be >= 0, got {args['temperature']}")
+    for switch in SWITCHES:
+        if args[switch] != OFF[switch]:
+            raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
+    if args.get("lm_head") or args.get("axes"):
+        raise MoebenchError("--lm-head and --axes are for the bundled runtime; a server's configurations come from --profiles")
+    if args.get("negative_control"):
+        raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
+    if args.get("speculative", "off") != "off":
+        raise MoebenchError("--speculative is for the bundled runtime; a server's speculative settings come from --profiles")
+    profile_file = load_profiles(Path(args["profiles"])) if args["profiles"] else None
+    if profile_file is not None and args["profile"]:
+        profile_file.select([profile_file.profiles[0].name, *args["profile"]])
+    if args["limit"] is None and args["suite"] == "gsm-synth":
+        args["limit"] = 200
+    suite_obj = load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
+                           num_fewshot=args["num_fewshot"])
+    placeholders = Placeholders("127.0.0.1", args["model"], args["served_model"], args.get("threads"))
+    tokenizer_dir = args["tokenizer"] or (profile_file.server.get("tokenizer") if profile_file else None)
+    tokenizer = None
+    if tokenizer_dir:
+        from tokenizers import Tokenizer
+
+        path = Path(placeholders.fill(tokenizer_dir)) / "tokenizer.json"
+        if not path.is_file():
+            raise MoebenchError(f"{path}: no such file (--tokenizer wants a directory with tokenizer.json)")
+        tokenizer = Tokenizer.from_file(str(path))
+    options = ClientOptions(concurrency=args["concurrency"], chat=args["chat"], temperature=args["temperature"],
+                            top_p=args["top_p"], top_k=args["top_k"], seed=args["seed"],
+                            request_timeout_s=args["request_timeout"])
+    warmup = _requests(suite_obj, suite_obj.items[: max(args["warmup"], 0)], args["max_new_tokens"])
+    backend = HttpBackend(options, run_dir, profile_file, args["base_url"], args["served_model"], tokenizer,
+                          placeholders, warmup)
+    if manifest is None:
+        manifest = _http_manifest(args, run_dir, suite_obj, backend)
+        atomic_write_json(run_dir / "manifest.json", manifest)
+    measure(run_dir, manifest, backend.configs, None, None, suite_obj, None, args, backend=backend)
+
+
+def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
+    return _manifest_of(
+        args, run_dir, suite_obj, backend.configs,
+        model={"served_model": backend.served_model, "path": args["model"]},
+        runtime={"engine": "openai", "max_new_tokens": args["max_new_tokens"],
+                 "concurrency": args["concurrency"], "temperature": args["temperature"],
+                 "sampling": _sampling_record(args, over_http=True)},
+        engine=backend.describe())
+
+
+def _configs(args: dict) -> list[ConfigPoint]:
+    configs = _exact_configs(args)
+    if args["ablate"] and "prefetch" in {c.name for c in configs} and _parse_budget(_budget_text(args)) not in (1, 1.0):
+        # offloaded: the all-resident point too, for the memory / speed trade-off (docs/prefetch.md)
+        configs.append(resident_reference())
+    if args.get("negative_control"):
+        from moebench.engine.quantize import SCHEMES
+
+        if args["negative_control"] not in SCHEMES:
+            raise MoebenchError(f"--negative-control: unknown scheme '{args['negative_control']}' (choose from: {', '.join(SCHEMES)})")
+        if configs[0].name != "baseline":
+            raise MoebenchError("--negative-control needs the baseline in the run (use --ablate)")
+        configs.append(negative_control(args["negative_control"]))
+    return configs
+
+
+def _exact_configs(args: dict) -> list[ConfigPoint]:
+    for switch in SWITCHES:
+        if args[switch] not in IMPLEMENTED[switch]:
+            raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
+    method = args.get("speculative", "off")
+    head = args.get("lm_head") or "f32"
+    if head not in LM_HEADS:
+        raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
+    if args["ablate"]:
+        switches, others = parse_axes(args.get("axes"))
+        spec_axis, head_axis = SPECULATIVE_AXIS in others, LM_HEAD_AXIS in others
+        if method != "off" and not spec_axis:
+            raise MoebenchError(f"--speculative {method} with --ablate: add speculative to --axes (the run then ablates {method})")
+        if head != "f32" and not head_axis:
+            raise MoebenchError(f"--lm-head {head} with --ablate: add lm-head to --axes (the run then ablates {head})")
+        heads = ((head,) if head != "f32" else LOW_PRECISION_HEADS) if head_axis else ()
+        return ablation_matrix(switches, factorial=args["factorial"],
+                               speculative=(method if method != "off" else "ngram") if spec_axis else None,
+                               lm_heads=heads)
+    if args.get("axes"):
+        raise MoebenchError("--axes needs --ablate")
+    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head)]
+
+
+def _load_model(path: Path, runtime):
+    from moebench.engine import load_checkpoint
+    from moebench.engine.loader import load_tokenizer
+
+    if runtime.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoebenchError("--device cuda: no CUDA device is available")
+    # below a full budget, or on the CPU, the experts stay in the file's dtype: the store holds them so
+    # where the kernels widen them (stores.expert_store_dtype), else converts only those it
+    # holds; with the disk tier they stay in the files (no copy in memory)
+    offloading = runtime.expert_budget not in (1, 1.0)
+    ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype,
+                           experts_in_checkpoint_dtype=offloading or runtime.device == "cpu",
+                           load_experts=not (offloading and runtime.offload_tier == "disk"))
+    return ckpt, load_tokenizer(path)
+
+
+def _default_run_id(args: dict) -> str:
+    """Time to the millisecond plus a random suffix: unique even for runs started together."""
+    now = dt.datetime.now()
+    if args.get("engine", "bundled") != "bundled":
+        what = Path(args["profiles"]).stem if args.get("profiles") else "server"
+    else:
+        what = Path(args["model"]).name if args.get("model") else BUNDLED_MODEL.name
+    return f"{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}-{secrets.token_hex(2)}-{what}-{args['suite']}"
+
+
+def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
+    from moebench.engine.memory import huge_page_bytes
+    from moebench.engine.store.tiers import disk_read_mode
+    from moebench.kernels import fused_backend
+    from dataclasses import replace
+
+    from moebench.engine.speculative import spec_settings
+
+    axis = [c.speculative for c in configs if getattr(c, "speculative", None)]
+    from moebench.kernels.cpu_attention import decode_attention_backend
+
+    return _manifest_of(args, run_dir, suite_obj, configs, model=_model_summary(ckpt), runtime={
+        "device": runtime.device, "dtype": str(runtime.torch_dtype).replace("torch.", ""),
+        "batch_size": runtime.batch_size, "max_new_tokens": runtime.max_new_tokens,
+        "expert_budget": runtime.expert_budget, "offload_tier": runtime.offload_tier,
+        # how the disk tier bypasses the page cache (O_DIRECT, or fadvise-evict where refused)
+        "disk_read_mode": disk_read_mode(ckpt) if runtime.offload_tier == "disk" else None,
+        "admission": runtime.admission, "kv_block_size": runtime.kv_block_size, "decode_path": runtime.decode_path,
+        # evidence that weights and KV cache landed in huge pages (engine/memory.py)
+        "huge_page_bytes": huge_page_bytes(),
+        # which implementations run (a compiled kernel, or the torch fallback)
+        "fused_moe_backend": fused_backend(runtime.device),
+        "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
+        "sampling": _sampling_record(args),
+        # the run's speculative decoding, or the speculative axis's (its configs name their method)
+        "speculative": {**spec_settings(replace(runtime, speculative=axis[0]) if axis else runtime).to_dict(),
+                        **({"axis_configs": [c.name for c in configs if c.speculative]} if axis else {})},
+    })
+
+
+def _sampling_record(args: dict, over_http: bool = False) -> dict:
+    """How tokens were chosen and each request's seed made (the engine's evidence shows it drew)."""
+    from moebench.engine.sampling import GREEDY, describe_sampling
+    from moebench.measuring.measure import run_sampling
+
+    record = describe_sampling(run_sampling(args) or GREEDY)
+    if over_http and "sampler" in record:  # the server samples; moebench only sends each request's seed
+        record["sampler"] = "the server's own (each request's seed in OpenAI's seed field)"
+    return record
+
+
+def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
+    """manifest.json: what ran, on what, from which command, code and packages."""
+    from moebench.measuring.machine import describe_machine, git_commit, package_versions
+
+    return {
+        "schema": "moebench.manifest/1",
+        "run_id": run_dir.name,
+        "command": "moebench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "args": args,
+        "model": model,
+        **extra,
+        "suite": suite_obj.describe(),
+        "configs": [c.to_dict() for c in configs],
+        "baseline": configs[0].name,
+        "runtime": runtime,
+        "repeats": args["repeats"],
+        "warmup_items": args["warmup"],
+        "seed": args["seed"],
+        "git_commit": git_commit(),
+        "versions": package_versions(),
+        "machine": describe_machine(),
+    }
+
+
+def read_manifest(run_dir: Path) -> dict:
+    f = run_dir / "manifest.json"
+    if not f.exists():
+        raise MoebenchError(f"{f}: no such file (not a moebench run directory)")
+    try:
+        manifest = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise MoebenchError(f"{f}: malformed JSON ({e.msg})") from None
+    if manifest.get("schema") != "moebench.manifest/1" or "args" not in manifest:
+        raise MoebenchError(f"{f}: not a moebench.manifest/1 file")
+    return manifest

@@ -1,0 +1,384 @@
+"""`moebench gate`: the report's verdict as a CI check. Each rule passes, fails (the run shows
+the problem) or is inconclusive (the run is too small to tell). Exit 0 if no rule fails and
+either none is inconclusive or the policy allows it (require_power = false, the default); 1 if
+any rule fails; 3 if none fails but some are inconclusive and the policy has require_power =
+true. Unusable input raises MoebenchError, which the CLI turns into exit 2 (one line). That
+includes a results directory whose summary.json disagrees with its raw samples and trials, or
+lacks them, and an output path (--junit, --markdown) that cannot be written: exit 1 means a
+shown regression and nothing else.
+
+Rules (thresholds from the policy, moebench.results.policy; the policy's `metric` picks the speedup,
+whole-run output tok/s or decode tok/s):
+  speedup    the gated config's 95% CI: lower bound >= min_speedup passes, upper bound below it
+             fails, an interval across it (or none: one trial) is inconclusive
+  accuracy   every config: the non-inferiority verdict at `margin` (moebench.results.verdict): regression
+             fails, inconclusive is inconclusive; exact configs also: McNemar exact p >=
+             mcnemar_alpha, drop <= max_accuracy_drop points
+  identical  every exact config: identical outputs >= min_identical
+  activation every config: each switched-on optimization left evidence that it ran (a switch the
+             workload could not exercise passes, and says "not exercised")
+  regression with a committed summary: the gated config's speedup CI upper bound
+             >= committed median x (1 - max_slowdown); no interval is inconclusive
+Approximate configs (policy `approximate`, or marked so in the run's manifest) may change
+outputs: only the verdict judges their accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from moebench.errors import MoebenchError
+from moebench.results.policy import DEFAULTS, Policy
+
+# Preferred gated configs when none is named: the full stack, else the longest partial one.
+STACK_PREFERENCE = ("all", "kernel+scheduler", "kernel")
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    measured: str
+    threshold: str
+    passed: bool
+    inconclusive: bool = False  # not passed, but not shown to fail either: too little data
+    note: str = ""              # what to do about an inconclusive rule
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.passed else ("inconclusive" if self.inconclusive else "FAIL")
+
+
+def _spans(ci: list[float], what: str = "x") -> str:
+    return f"inconclusive: the interval spans {ci[0]:.2f}-{ci[1]:.2f}{what}; rerun with more --repeats"
+
+
+NO_INTERVAL = "inconclusive: one trial gives no interval; rerun with --repeats 2 or more (5 or more to judge)"
+
+
+def gated_config(summary: dict, requested: str | None) -> str:
+    names = [c["name"] for c in summary["configs"]]
+    if requested:
+        if requested not in names:
+            raise MoebenchError(f"run {summary.get('run_id')}: no config {requested!r} (has {names})")
+        return requested
+    for name in STACK_PREFERENCE:
+        if name in names:
+            return name
+    others = [n for n in names if n != summary["baseline"]]
+    if not others:
+        raise MoebenchError(f"run {summary.get('run_id')}: only the baseline ran; nothing to gate")
+    return others[-1]
+
+
+SPEEDUP_KEYS = {"decode": "speedup", "output": "output_speedup"}
+METRIC_WORDS = {"decode": "decode tok/s", "output": "output tok/s, whole run"}
+
+
+def _speedup_of(entry: dict, metric: str) -> dict:
+    return (entry.get("vs_baseline") or {}).get(SPEEDUP_KEYS[metric]) or {}
+
+
+def _speedup_rule(summary: dict, name: str, policy: Policy) -> Rule:
+    from moebench.results.summary import config_entry
+
+    sp = _speedup_of(config_entry(summary, name), policy.metric)
+    ci = sp.get("ci95")
+    n = len(sp.get("trials") or [])
+    measured = "n/a (no interval: fewer than 2 trials)" if not ci else \
+        f"{sp['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {n} trials"
+    passed = bool(ci) and ci[0] >= policy.min_speedup
+    # Only an interval wholly below the threshold shows that the speedup falls short of it.
+    unsure = not passed and (not ci or ci[1] >= policy.min_speedup)
+    return Rule(f"speedup {name} ({METRIC_WORDS[policy.metric]}): 95% CI lower bound", measured,
+                f">= {policy.min_speedup:g}x", passed, unsure,
+                (_spans(ci) if ci else NO_INTERVAL) if unsure else "")
+
+
+def approximate(c: dict, policy: Policy) -> bool:
+    """May this config change outputs? The policy says so, or the run's manifest did."""
+    return c["name"] in policy.approximate or bool(c.get("approximate"))
+
+
+def _verdict_rule(c: dict, policy: Policy) -> Rule:
+    from moebench.results.verdict import judge_accuracy
+
+    vb = c["vs_baseline"]
+    v = judge_accuracy(vb, policy.margin, exact=not approximate(c, policy), alpha=policy.mcnemar_alpha)
+    diff = vb.get("accuracy_difference") or {}
+    ci = diff.get("ci95")
+    measured = "n/a (no paired items)" if not ci else (
+        f"{v['verdict']}, {diff['points']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+        + (f"; a drop >= {v['detectable_drop']:.1f} detectable" if v.get("detectable_drop") is not None else ""))
+    unsure = v["verdict"] == "inconclusive"
+    note = ""
+    if unsure:
+        note = (f"inconclusive: the interval {ci[0]:+.2f} to {ci[1]:+.2f} points reaches below "
+                f"-{policy.margin:g}; rerun with more items (or more trials under sampling)")
+    # fails on a shown drop: the interval below 0, or McNemar p < mcnemar_alpha against the config
+    return Rule(f"accuracy {c['name']}: verdict (margin {policy.margin:g})", measured,
+                f"CI lower > -{policy.margin:g} pts", v["verdict"] in ("identical", "non-inferior"),
+                unsure, note)
+
+
+def _accuracy_rules(c: dict, policy: Policy) -> list[Rule]:
+    from moebench.results.summary import format_p
+
+    vb = c["vs_baseline"]
+    p, delta = vb.get("mcnemar_p"), vb.get("accuracy_delta")
+    d = vb.get("discordant") or {}
+    drop = None if delta is None else 0.0 - delta  # 0.0 - x: no '-0.00'
+    return [
+        Rule(f"accuracy {c['name']}: McNemar exact p",
+             f"{format_p(p)} ({d.get('baseline_only', '?')} vs {d.get('config_only', '?')} discordant)",
+             f">= {policy.mcnemar_alpha:g}", p is not None and p >= policy.mcnemar_alpha),
+        Rule(f"accuracy {c['name']}: drop vs baseline",
+             "n/a" if drop is None else f"{drop:+.2f} points",
+             f"<= {policy.max_accuracy_drop:g} points",
+             drop is not None and drop <= policy.max_accuracy_drop + 1e-9),
+    ]
+
+
+def _identity_rule(c: dict, policy: Policy) -> Rule:
+    share = c["vs_baseline"].get("identical_outputs")
+    return Rule(f"identical outputs {c['name']}",
+                "n/a" if share is None else f"{share:.2%} ({c['vs_baseline'].get('differing_outputs', '?')} differ)",
+                f">= {policy.min_identical:.2%}", share is not None and share >= policy.min_identical)
+
+
+def _activation_rule(c: dict) -> Rule:
+    a = c["activation"]
+    ok = a.get("ok")
+    if ok is True and a.get("not_exercised"):
+        measured = "evidence present; " + "; ".join(a["not_exercised"])
+    else:
+        measured = {True: "evidence present", False: "; ".join(a.get("errors") or []) or "no evidence",
+                    None: "not recorded"}[ok]
+    return Rule(f"activation {c['name']}", measured, "each switched-on optimization ran", ok is True)
+
+
+def _committed_speedup(committed: dict, name: str, metric: str, source: str) -> float:
+    """The committed summary's median speedup of `name` in `metric`. A summary written before
+    output_speedup existed still has both configs' output tok/s medians: their ratio stands in."""
+    from moebench.results.summary import config_entry
+
+    try:
+        entry = config_entry(committed, name)
+    except (MoebenchError, KeyError, TypeError):
+        raise MoebenchError(f"{source}: has no config {name!r} to compare with") from None
+    median = _speedup_of(entry, metric).get("median")
+    if median is None and metric == "output":
+        try:
+            mine = entry["output_tokens_per_s"]["median"]
+            base = config_entry(committed, committed["baseline"])["output_tokens_per_s"]["median"]
+            median = mine / base if mine and base else None
+        except (MoebenchError, KeyError, TypeError):
+            median = None
+    if median is None:
+        raise MoebenchError(f"{source}: has no {METRIC_WORDS[metric]} speedup for config {name!r} to compare with")
+    return float(median)
+
+
+def _regression_rule(summary: dict, committed: dict, name: str, policy: Policy, source: str) -> Rule:
+    from moebench.results.summary import config_entry
+
+    old = _committed_speedup(committed, name, policy.metric, source)
+    now = _speedup_of(config_entry(summary, name), policy.metric)
+    floor = old * (1 - policy.max_slowdown)
+    ci = now.get("ci95")
+    return Rule(f"speedup {name} ({METRIC_WORDS[policy.metric]}) vs committed baseline",
+                "n/a (no interval)" if not ci else f"{now['median']:.3f}x, CI upper {ci[1]:.3f}",
+                f"CI upper >= {floor:.3f}x ({old:.3f}x - {policy.max_slowdown:.0%})",
+                bool(ci) and ci[1] >= floor, not ci, "" if ci else NO_INTERVAL)
+
+
+def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
+             committed_source: str = "baseline summary") -> list[Rule]:
+    """Every rule's outcome for one run's summary."""
+    name = gated_config(summary, policy.config)
+    rules = [_speedup_rule(summary, name, policy)]
+    if committed is not None:
+        rules.append(_regression_rule(summary, committed, name, policy, committed_source))
+    for c in summary["configs"]:
+        if c.get("vs_baseline"):
+            rules.append(_verdict_rule(c, policy))
+            if not approximate(c, policy):
+                rules += _accuracy_rules(c, policy)
+                rules.append(_identity_rule(c, policy))
+    rules += [_activation_rule(c) for c in summary["configs"]]
+    return rules
+
+
+# ---------------------------------------------------------------- output
+
+EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 1, 3
+
+
+def outcome(rules: list[Rule], policy: Policy) -> tuple[int, str]:
+    """The exit code and the last line: a failed rule is exit 1; an inconclusive one is exit 3
+    where the policy requires power, else a pass that says what could not be judged."""
+    failed = sum(r.status == "FAIL" for r in rules)
+    unsure = sum(r.inconclusive for r in rules)
+    if failed:
+        more = f"; {unsure} more inconclusive" if unsure else ""
+        return EXIT_FAIL, f"gate: FAIL ({failed} of {len(rules)} rules{more})"
+    if unsure and policy.require_power:
+        return EXIT_INCONCLUSIVE, (f"gate: INCONCLUSIVE ({unsure} of {len(rules)} rules could not be judged "
+                                   "and the policy has require_power = true; exit 3)")
+    if unsure:
+        return EXIT_PASS, (f"gate: PASS, but {unsure} of {len(rules)} rules inconclusive (too little data to "
+                           "judge them; require_power = false lets them pass)")
+    return EXIT_PASS, "gate: PASS"
+
+
+def _verdict(rule: Rule) -> str:
+    return rule.status
+
+
+def rich_table(rules: list[Rule], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("rule", "measured", "threshold", "verdict"):
+        table.add_column(col)
+    style = {"pass": "[green]pass[/green]", "FAIL": "[bold red]FAIL[/bold red]",
+             "inconclusive": "[yellow]inconclusive[/yellow]"}
+    for r in rules:
+        table.add_row(r.name, r.measured, r.threshold, style[r.status])
+    return table
+
+
+def junit_xml(rules: list[Rule], suite: str, require_power: bool = False) -> bytes:
+    """One testcase per rule: a failed rule is a <failure>; an inconclusive one is <skipped>, or a
+    <failure type="GateInconclusive"> where the policy requires power."""
+    def failing(r: Rule) -> bool:
+        return r.status == "FAIL" or (r.inconclusive and require_power)
+    failures = sum(failing(r) for r in rules)
+    skipped = sum(r.inconclusive and not require_power for r in rules)
+    root = ET.Element("testsuites", name="moebench gate", tests=str(len(rules)), failures=str(failures))
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(rules)), failures=str(failures),
+                       errors="0", skipped=str(skipped))
+    for r in rules:
+        case = ET.SubElement(ts, "testcase", classname="moebench.results.gate", name=r.name)
+        # the JUnit schema puts <failure> and <skipped> before <system-out>
+        if r.inconclusive and not require_power:
+            ET.SubElement(case, "skipped", message=r.note or "inconclusive")
+        elif failing(r):
+            kind = "GateInconclusive" if r.inconclusive else "GateFailure"
+            text = r.note if r.inconclusive else f"measured {r.measured}, required {r.threshold}"
+            ET.SubElement(case, "failure", message=text, type=kind).text = f"{r.name}: {text}"
+        ET.SubElement(case, "system-out").text = f"measured {r.measured}; threshold {r.threshold}"
+    ET.indent(root)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
+
+
+def markdown_table(rules: list[Rule], title: str, policy: Policy = DEFAULTS) -> str:
+    def cell(s: str) -> str:
+        return s.replace("|", "\\|").replace("\n", " ")
+    code, _ = outcome(rules, policy)
+    word = {EXIT_PASS: "PASS", EXIT_FAIL: "FAIL", EXIT_INCONCLUSIVE: "INCONCLUSIVE"}[code]
+    if code == EXIT_PASS and any(r.inconclusive for r in rules):
+        word = "PASS (some rules inconclusive)"
+    lines = [f"### {cell(title)}: {word}", "",
+             "| rule | measured | threshold | verdict |", "|---|---|---|---|"]
+    lines += [f"| {cell(r.name)} | {cell(r.measured)} | {cell(r.threshold)} | {_verdict(r)} |" for r in rules]
+    notes = [f"- {cell(r.name)}: {cell(r.note)}" for r in rules if r.inconclusive and r.note]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+# ---------------------------------------------------------------- trust, but verify
+
+def _close(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return a == b
+
+
+def _checked_fields(summary: dict) -> dict:
+    """What the gate's rules read from a summary, per config."""
+    out = {}
+    for c in summary.get("configs") or []:
+        vb = c.get("vs_baseline") or {}
+        fields = {"activation.ok": (c.get("activation") or {}).get("ok"),
+                  "accuracy.correct": (c.get("accuracy") or {}).get("correct"),
+                  "accuracy.total": (c.get("accuracy") or {}).get("total"),
+                  "identical_outputs": vb.get("identical_outputs"), "mcnemar_p": vb.get("mcnemar_p"),
+                  "accuracy_delta": vb.get("accuracy_delta")}
+        if "accuracy_difference" in vb:  # absent from summaries written before it existed
+            diff = vb["accuracy_difference"] or {}
+            fields["accuracy_difference.points"] = diff.get("points")
+            for i, v in enumerate(diff.get("ci95") or [None, None]):
+                fields[f"accuracy_difference.ci95[{i}]"] = v
+        for metric, key in SPEEDUP_KEYS.items():
+            sp = vb.get(key) or {}
+            fields[f"{key}.median"] = sp.get("median")
+            for i, v in enumerate(sp.get("ci95") or [None, None]):
+                fields[f"{key}.ci95[{i}]"] = v
+        out[c.get("name")] = fields
+    return out
+
+
+def verified_summary(target: Path) -> tuple[dict, str]:
+    """The summary to gate, recomputed from the run's raw files (manifest, samples, trials), and
+    a note on what was checked. A summary.json beside them must agree with the recomputation on
+    every number a rule reads; raw files that are missing, or a summary that disagrees, are a
+    MoebenchError (exit 2): a results folder holding only a summary proves nothing."""
+    from moebench.results.summary import SCHEMA, build_summary, read_summary
+
+    target = Path(target)
+    run_dir = target.parent if target.is_file() else target
+    if not run_dir.is_dir():
+        raise MoebenchError(f"{target}: no such results directory")
+    missing = [f for f in ("manifest.json", "samples.jsonl", "trials.jsonl") if not (run_dir / f).is_file()]
+    if missing:
+        raise MoebenchError(f"{run_dir}: lacks {', '.join(missing)}; the gate recomputes the summary from the "
+                            "raw samples and trials and will not trust a summary.json alone")
+    recomputed = build_summary(run_dir)
+    written = target if target.is_file() else run_dir / "summary.json"
+    if not written.is_file():
+        return recomputed, "summary computed from the raw samples and trials (no summary.json)"
+    try:
+        summary = read_summary(written)
+    except MoebenchError:
+        return recomputed, f"{written.name} is not {SCHEMA}: summary recomputed from the raw samples and trials"
+    mine, theirs = _checked_fields(recomputed), _checked_fields(summary)
+    diffs = []
+    for name in sorted(set(mine) | set(theirs), key=str):
+        a, b = theirs.get(name), mine.get(name)
+        if a is None or b is None:
+            diffs.append(f"config {name!r} {'only in summary.json' if b is None else 'missing from summary.json'}")
+            continue
+        diffs += [f"{name} {k}: {a[k]} in summary.json, {b[k]} from the raw files"
+                  for k in b if k in a and not _close(a[k], b[k])]
+    if diffs:
+        raise MoebenchError(f"{written}: disagrees with the raw samples and trials ({'; '.join(diffs[:3])}"
+                            f"{f'; {len(diffs) - 3} more' if len(diffs) > 3 else ''}); rebuild it "
+                            "(delete it and run moebench report or gate again) or find out who changed it")
+    return recomputed, f"{written.name} checked against the raw samples and trials"
+
+
+def check_output_path(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be written (exit 2, one line)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MoebenchError(f"{flag} {path}: is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise MoebenchError(f"{flag} {path}: directory {parent} does not exist (or is not a directory)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise MoebenchError(f"{flag} {path}: not writable")
+
+
+def write_output(path: Path, data: bytes, flag: str) -> None:
+    from moebench.fileio import atomic_write_bytes
+
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as e:
+        raise MoebenchError(f"{flag} {path}: cannot write ({e.strerror or e})") from None
+
+

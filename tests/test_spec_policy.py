@@ -1,0 +1,37 @@
+"""The batch-size policy's measured default (docs/speculative.md, "Policy"): `moebench run
+--speculative ngram` drafts only in steps of at most SPEC_MAX_BATCH_DEFAULT sequences unless told
+otherwise, and the manifest records the limit the run used."""
+
+import json
+import sys
+
+import pytest
+
+from moebench.cli.options import SPEC_MAX_BATCH_DEFAULT
+
+
+def _run(monkeypatch, tmp_path, run_id, *extra):
+    from moebench.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["moebench", "run", "--speculative", "ngram", "--limit", "3", "--max-new-tokens", "24",
+                                      "--warmup", "0", "--repeats", "1", "--offload-tier", "host", "--out", str(tmp_path),
+                                      "--run-id", run_id, *extra])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code in (0, None)
+    d = tmp_path / run_id
+    manifest = json.loads((d / "manifest.json").read_text())
+    trial = json.loads((d / "trials.jsonl").read_text().splitlines()[0])
+    return manifest["runtime"]["speculative"], trial["evidence"]["speculative"]
+
+
+def test_the_default_limit_is_recorded_and_lets_a_batch_of_one_draft(monkeypatch, tmp_path):
+    assert SPEC_MAX_BATCH_DEFAULT == 1
+    record, ev = _run(monkeypatch, tmp_path, "b1", "--batch-size", "1")
+    assert record["method"] == "ngram" and record["max_batch"] == SPEC_MAX_BATCH_DEFAULT
+    assert ev["max_batch"] == SPEC_MAX_BATCH_DEFAULT and ev["steps_off_by_batch"] == 0 and ev["drafted"] > 0
+
+
+def test_a_larger_limit_is_recorded_and_drafts_in_full_batches(monkeypatch, tmp_path):
+    record, ev = _run(monkeypatch, tmp_path, "b3", "--batch-size", "3", "--spec-max-batch", "3")
+    assert record["max_batch"] == 3 and ev["steps_off_by_batch"] == 0 and ev["drafted"] > 0
