@@ -10,6 +10,13 @@ Prints the median milliseconds per forward of interleaved rounds, the ratio veri
 medians, and the median and range of the per-round ratios (each verify timing over the plain one of
 its round). The break-even acceptance: a verify step emitting T tokens on average pays off when T >
 that ratio.
+
+    python benchmarks/spec_verify_cost.py --model bundled --batch 1 16 --k 1 2 4 --mtp
+
+`--mtp` (a checkpoint with an MTP head, engine/mtp.py) times the steps as an MTP session runs them
+(the model keeps its hidden states) and adds the head's forward over one row per sequence (a
+chained draft) and two (catching up after one accepted draft): an MTP verify step with K drafts
+costs the verify forward plus about K head forwards.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def main() -> None:
     parser.add_argument("--decode-path", default="auto")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mtp", action="store_true", help="also time the checkpoint's MTP head (engine/mtp.py)")
     args = parser.parse_args()
 
     import torch
@@ -62,6 +70,11 @@ def main() -> None:
         rt = RuntimeConfig(kernel=args.kernel, decode_path=args.decode_path, batch_size=max(args.batch))
         engine = Engine(ckpt, None, rt)
         session = engine.session(args.context + max(args.k) + 2)
+        head = None
+        if args.mtp:
+            from moebench.engine.mtp import make_mtp_drafter
+
+            head = make_mtp_drafter(ckpt, session.model, session.block_manager.num_blocks, rt.kv_block_size).head
         g = torch.Generator().manual_seed(0)
         vocab = ckpt.config.vocab_size
         print(f"model {args.model}: {ckpt.config.num_layers} layers, hidden {ckpt.config.hidden_size}, vocab {vocab}; "
@@ -88,14 +101,23 @@ def main() -> None:
                 return build_forward_batch(rows, cached, tabs, bs, rt.device)
 
             batches = {0: batch_of(0), **{k: batch_of(k) for k in args.k}}
-            times = {k: [] for k in batches}
+            runs = {k: (lambda fb=fb: session.model.forward(fb, session.kv)) for k, fb in batches.items()}
+            if head is not None:
+                H = ckpt.config.hidden_size
+                for rows in (1, 2):
+                    toks = [last[seq][j] for seq in range(b) for j in range(rows)]
+                    pos = [args.context - 1 + j for seq in range(b) for j in range(rows)]
+                    tabs = [tables[seq] for seq in range(b) for _ in range(rows)]
+                    hid = torch.randn(b * rows, H, generator=g)
+                    runs[f"head{rows}"] = lambda t=toks, h=hid, p=pos, tb=tabs: head.forward(t, h, p, tb)
+            times = {k: [] for k in runs}
             for _ in range(args.rounds):
-                for k, fb in batches.items():
+                for k, run in runs.items():
                     with step_threads(session.model, True):  # as the engine runs a decode step
-                        session.model.forward(fb, session.kv)  # warm
+                        run()  # warm
                         t = time.perf_counter()
                         for _ in range(args.steps):
-                            session.model.forward(fb, session.kv)
+                            run()
                         times[k].append((time.perf_counter() - t) / args.steps * 1e3)
             plain = statistics.median(times[0])
 
@@ -108,6 +130,8 @@ def main() -> None:
 
             cells = [f"plain {plain:.3f} ms"] + [f"K={k}: {statistics.median(times[k]):.3f} ms ({ratio(k)})"
                                                  for k in args.k]
+            cells += [f"MTP head, {k[4:]} row(s) per sequence: {statistics.median(times[k]):.3f} ms ({ratio(k)})"
+                      for k in runs if str(k).startswith("head")]
             print(f"batch {b:>3}: " + ", ".join(cells))
             for table in tables:
                 session.block_manager.free(table)

@@ -19,6 +19,7 @@ from moebench.engine.routing_stats import RoutingStats
 from moebench.engine.sampling import sample_token_ids
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
+from moebench.engine.mtp import make_mtp_drafter
 from moebench.engine.speculative import make_speculator
 from moebench.errors import MoebenchError
 from moebench.engine.decode_path import step_threads
@@ -185,15 +186,16 @@ class Engine:
         forward_s = end - start
 
         routing = stats.take_step()
+        starts = [s.num_cached for s in seqs] if speculator else None
         callbacks_s = 0.0  # the caller's own work (writing samples) is not the engine's
         decode_emitted = 0
         for s, tokens, picks, draft, prefill in zip(seqs, new_tokens, emitted, drafts or [()] * len(seqs), in_prefill):
             # the K/V kept: the step's tokens but the rejected drafts (theirs stay past num_cached,
             # outside the context, and are overwritten); the newest pick's is the next step's to write
             s.num_cached += len(tokens) + len(picks) - 1
-            decode_emitted += 0 if prefill else len(picks)
             reason = None
             for tok in picks:
+                decode_emitted += not prefill  # a pick after the one that finished the sequence is not emitted
                 s.output_ids.append(tok)
                 s.token_times.append(end - s.arrival)
                 reason = self._finish_reason(s, tok)
@@ -211,6 +213,13 @@ class Engine:
                     t = time.perf_counter()
                     on_complete(c)
                     callbacks_s += time.perf_counter() - t
+
+        if speculator:  # the positions each sequence kept, and their rows of the step's forward
+            row_counts = lens if verify else [len(t) for t in new_tokens]
+            offsets = [0] * len(seqs)
+            for i in range(1, len(seqs)):
+                offsets[i] = offsets[i - 1] + row_counts[i - 1]
+            speculator.observe(seqs, starts, [s.num_cached - a for s, a in zip(seqs, starts)], model, offsets)
 
         n_prefill = sum(in_prefill)
         phase = "prefill" if n_prefill == len(seqs) else ("decode" if n_prefill == 0 else "mixed")
@@ -343,7 +352,9 @@ class EngineSession:
         # temperature reached the sampler
         self.sampling_counts = {"sampled_positions": 0, "greedy_positions": 0, "settings": set()}
         self.sampling_requests = 0  # requests added that asked for sampling
-        self.speculator = make_speculator(rt, cfg)  # None: speculative decoding off
+        # None: speculative decoding off (an MTP head gets a cache of num_kv_blocks beside the model's)
+        self.speculator = make_speculator(
+            rt, cfg, lambda: make_mtp_drafter(engine.ckpt, self.model, num_kv_blocks, rt.kv_block_size))
 
     @property
     def kv_capacity_tokens(self) -> int:

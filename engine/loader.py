@@ -67,6 +67,8 @@ class Checkpoint:
     # file's bfloat16 where the CPU kernels stream it (keeps_dense_in_checkpoint_dtype), else the
     # compute dtype. Embeddings, norms, biases and routers are always in the compute dtype.
     dense_dtype: torch.dtype = torch.float32
+    # the multi-token-prediction head (engine/mtp.py), read the first time --speculative mtp asks
+    mtp_weights: object = None
 
     @property
     def num_params(self) -> int:

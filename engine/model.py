@@ -209,12 +209,22 @@ class MoeTransformer:
         self._weights = WeightsEvidence(getattr(ckpt, "weights", "f32"), ckpt, ckpt.embed.device.type)
         # the native call ends with the LM head where the kernel streams it (its logits are returned)
         self._native_lm_head = cpu_dense.head_streams(self.head_weight, self.head_scale)
+        # speculative MTP drafting reads each forward's final-normed hidden states (keep_hidden_states)
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode")
                                  and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
                                  and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
         # the decode path (native step, chained ops, eager), decided once per session by
         # engine/decode_path.py; a session sets its runtime's (engine/families.py), this is auto's
         self.decode_path = decode_path.decide(None, self)
+
+    def keep_hidden_states(self) -> None:
+        """Have every forward keep all its rows' final-normed hidden states (what the LM head reads)
+        in `last_hidden`, for an MTP head (engine/mtp.py). A native decode step then returns them and
+        the LM head runs after it (the same kernel, one call more); without this nothing changes."""
+        self.keep_hidden = True
+        self._native_lm_head = False
 
     @property
     def decode_chains(self) -> bool:
@@ -362,6 +372,9 @@ class MoeTransformer:
                 h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv, rope_tables)
                 x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
                 h = self.moe_block(i, x, h) if cfg.is_moe_layer(i) else h + self.dense_mlp(x, i)
+            if self.keep_hidden:  # rows are normalized alone: norming all of them first changes none
+                h = self.last_hidden = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
+                return self.logits(h[batch.last_token_index] if select else h)
             if select:
                 h = h[batch.last_token_index]
             h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
@@ -386,6 +399,8 @@ class MoeTransformer:
                 x = add_norm(h, None, next_norm, eps)
             else:
                 x = add_norm(h, self.dense_mlp(x, i), next_norm, eps)
+        if self.keep_hidden:
+            self.last_hidden = x
         if select:
             x = x[batch.last_token_index]
         return self.logits(x)
@@ -415,7 +430,11 @@ class MoeTransformer:
         cpu_dense.count_chained(3 * layers + int(self._native_lm_head))
         self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
         # every sequence's one new token: with the LM head, x is the logits already
-        return x if self._native_lm_head else self.logits(x)
+        if self._native_lm_head:
+            return x
+        if self.keep_hidden:
+            self.last_hidden = x
+        return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on the final norm's output: [rows, vocab] float32 (kernels/cpu_dense.lm_head)."""

@@ -20,8 +20,10 @@ it gets without speculation whenever the verify forward's logits equal the plain
 keyed by step, batch row or draft length: the uniform of output position n is
 uniform(request seed, n) whether n is emitted by a plain step, as an accepted draft or as the
 correction after a rejection; rejected positions' picks are discarded and the same position is
-picked again, from the same uniform, by the next step. A drafter with a non-degenerate q (a draft
-model, MTP heads) would need the general rule with a second uniform per position; none is built.
+picked again, from the same uniform, by the next step. The MTP drafter (engine/mtp.py) proposes its
+head's argmax, a point mass too, so the rule is exact for it as well; a drafter with a
+non-degenerate q (sampling from a draft model) would need the general rule with a second uniform
+per position; none is built.
 
 Rollback: the K/V of rejected drafts were written to cache slots past the kept length. The
 sequence's `num_cached` advances by the kept tokens only, so those slots are outside its context
@@ -36,7 +38,11 @@ from dataclasses import dataclass
 from moebench.engine.sampling import sample_token_ids
 from moebench.errors import MoebenchError
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "mtp")
+# The batch-size policy when --spec-max-batch is not given, measured on the bundled model
+# (docs/speculative.md, "Policy"): an ngram verify step costs more plain steps than the tokens it
+# emits at every batch above 1; an MTP step pays at batch 16 too (None: any batch size).
+DEFAULT_MAX_BATCH = {"ngram": 1, "mtp": None}
 MAX_NGRAM = 3  # the longest suffix looked up; then shorter ones down to 1
 VERIFY_FORWARD = "one decode forward whose rows are each verifying sequence's last token and drafts"
 
@@ -46,6 +52,7 @@ class SpecSettings:
     method: str = "off"
     tokens: int = 4  # K, drafts per sequence and verify step
     max_batch: int | None = None  # speculation off in steps with more sequences than this (None: never off)
+    max_batch_by_default: bool = False  # the method's DEFAULT_MAX_BATCH, not --spec-max-batch
 
     def __post_init__(self):
         check_spec(self.method, self.tokens, self.max_batch)
@@ -58,6 +65,7 @@ class SpecSettings:
         if not self.on:
             return {"method": "off"}
         return {"method": self.method, "tokens": self.tokens, "max_batch": self.max_batch,
+                "max_batch_from": "the method's default" if self.max_batch_by_default else "--spec-max-batch",
                 "policy": "no drafts in a step of more than max_batch sequences (None: any batch size)",
                 "verify_forward": VERIFY_FORWARD,
                 "acceptance": "pick each position as plain decoding would (argmax, or the draw of (seed, "
@@ -89,12 +97,32 @@ def ngram_draft(ids: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
     return []
 
 
+class NgramDrafter:
+    """Prompt lookup (`ngram_draft`) for each sequence that may draft. The drafter interface
+    (engine/mtp.py's MtpDrafter is the other): `propose(seqs, limits, block_manager)` -> (drafts,
+    drafts cut for KV room), `observe(...)` after a step where `wants_hidden`, and `evidence()`."""
+
+    name = "ngram"
+    wants_hidden = False
+
+    def propose(self, seqs, limits: list[int], block_manager) -> tuple[list[list[int]], int]:
+        return [ngram_draft(seq.prompt_ids + seq.output_ids, k) if k > 0 else [] for seq, k in zip(seqs, limits)], 0
+
+    def observe(self, *args) -> None:
+        pass
+
+    @staticmethod
+    def evidence() -> dict:
+        return {"drafter": "ngram"}
+
+
 class Speculator:
     """The strategy of one session: which sequences draft in a step (`plan`), which tokens each
     emits (`select`), and the evidence of both, counted where they ran."""
 
-    def __init__(self, settings: SpecSettings):
+    def __init__(self, settings: SpecSettings, drafter=None):
         self.settings = settings
+        self.drafter = drafter if drafter is not None else NgramDrafter()
         k = settings.tokens
         self.verify_steps = 0  # steps with at least one draft
         self.plain_decode_steps = 0  # decode steps without a draft (none found, or the batch policy)
@@ -112,27 +140,35 @@ class Speculator:
     def plan(self, seqs, new_tokens: list[list[int]], block_manager) -> list[list[int]]:
         """Each sequence's drafts this step ([] for none), with KV capacity for them already in its
         block table. Only decoding sequences draft; the last draft position leaves room for the
-        pick after it within max_new_tokens."""
+        pick after it within max_new_tokens. The drafter sees every step (an MTP head catches up on
+        the positions the last step kept even when nothing is drafted)."""
         s = self.settings
         self._step = {"drafted": 0, "accepted": 0, "accepted_lengths": []}
-        drafts: list[list[int]] = [[] for _ in seqs]
-        if self.settings.max_batch is not None and len(seqs) > s.max_batch:
+        off = s.max_batch is not None and len(seqs) > s.max_batch
+        if off:
             self.off_by_batch += 1
-            return drafts
-        for i, (seq, tokens) in enumerate(zip(seqs, new_tokens)):
-            if seq.in_prefill or len(tokens) != 1:
-                continue
+        limits = []
+        for seq, tokens in zip(seqs, new_tokens):
             room = seq.max_new_tokens - len(seq.output_ids) - 1
-            if room <= 0:
-                continue
-            draft = ngram_draft(seq.prompt_ids + seq.output_ids, min(s.tokens, room))
+            limits.append(0 if off or seq.in_prefill or len(tokens) != 1 or room <= 0 else min(s.tokens, room))
+        drafts, cut = self.drafter.propose(seqs, limits, block_manager)
+        self.no_room += cut
+        for i, seq in enumerate(seqs):
+            draft = drafts[i][:limits[i]]
             while draft and not block_manager.can_fit(seq.block_table, seq.num_tokens + len(draft)):
                 draft = draft[:-1]
                 self.no_room += 1
             if draft:
                 block_manager.ensure_capacity(seq.block_table, seq.num_tokens + len(draft))
-                drafts[i] = draft
+            drafts[i] = draft
+            self.rollback(seq, block_manager, len(draft))  # room a drafter took beyond the draft kept
         return drafts
+
+    def observe(self, seqs, starts: list[int], kept: list[int], model, offsets: list[int]) -> None:
+        """After a step: each sequence's kept positions (starts[i] .. starts[i] + kept[i] - 1, rows
+        offsets[i] .. of the step's forward), for a drafter that reads the hidden states."""
+        if self.drafter.wants_hidden:
+            self.drafter.observe(seqs, starts, kept, model.last_hidden, offsets)
 
     @staticmethod
     def rows(seqs, new_tokens: list[list[int]], drafts: list[list[int]]):
@@ -208,9 +244,10 @@ class Speculator:
         self._step["accepted_lengths"].append(kept)  # per verifying sequence, in batch order
 
     @staticmethod
-    def rollback(seq, block_manager) -> None:
-        """Give back the blocks past what the sequence's tokens need (rejected drafts' room)."""
-        need = block_manager.blocks_needed(seq.num_tokens)
+    def rollback(seq, block_manager, extra_tokens: int = 0) -> None:
+        """Give back the blocks past what the sequence's tokens (and `extra_tokens` drafts) need:
+        rejected drafts' room, or room a drafter reserved for drafts that were cut."""
+        need = block_manager.blocks_needed(seq.num_tokens + extra_tokens)
         if len(seq.block_table) > need:
             extra = seq.block_table[need:]
             del seq.block_table[need:]
@@ -224,6 +261,7 @@ class Speculator:
         s = self.settings
         return {
             **s.to_dict(),
+            **self.drafter.evidence(),
             "verify_steps": self.verify_steps,
             "plain_decode_steps": self.plain_decode_steps,
             "steps_off_by_batch": self.off_by_batch,
@@ -249,7 +287,9 @@ class Speculator:
 ROLLBACK_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-def make_speculator(runtime, cfg=None) -> Speculator | None:
+def make_speculator(runtime, cfg=None, mtp_drafter=None) -> Speculator | None:
+    """The session's speculator (None: off). `mtp_drafter()` builds the MTP drafter where the method
+    asks for it (engine/mtp.py's make_mtp_drafter, bound to the session's checkpoint and model)."""
     s = spec_settings(runtime)
     if not s.on:
         return None
@@ -258,8 +298,15 @@ def make_speculator(runtime, cfg=None) -> Speculator | None:
         raise MoebenchError(f"--speculative {s.method}: a {family} model keeps per-sequence state besides the KV "
                             "cache that rejected drafts would advance and nothing rolls back; speculative decoding "
                             f"runs on {', '.join(ROLLBACK_FAMILIES)} models")
+    if s.method == "mtp":
+        if mtp_drafter is None:
+            raise MoebenchError("--speculative mtp: no MTP head was given to this session")
+        return Speculator(s, mtp_drafter())
     return Speculator(s)
 
 
 def spec_settings(runtime) -> SpecSettings:
-    return SpecSettings(runtime.speculative, runtime.spec_tokens, runtime.spec_max_batch)
+    """The session's settings; a limit not given is the method's own (DEFAULT_MAX_BATCH)."""
+    given = runtime.spec_max_batch
+    limit = given if given is not None else DEFAULT_MAX_BATCH.get(runtime.speculative)
+    return SpecSettings(runtime.speculative, runtime.spec_tokens, limit, given is None)

@@ -2,7 +2,7 @@
 
 The three switches are exact optimizations (outputs must not change). Speculative decoding
 (`speculative`, an axis `--axes` may add) is exact too (engine/speculative.py: the emitted tokens
-are plain decoding's, greedy or sampled): its configs are named `speculative=ngram` (the baseline's
+are plain decoding's, greedy or sampled): its configs are named `speculative=ngram` or `speculative=mtp` (the baseline's
 switches) and `all+speculative=ngram` (every ablated switch on), and held to the identical-output
 claim like the switches. The LM head's precision (`lm-head`, another axis) is approximate: its
 configs are named `lm-head=int8` (or `kernel+lm-head=int8` stacked on switches), marked approximate,

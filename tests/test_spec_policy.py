@@ -1,13 +1,13 @@
 """The batch-size policy's measured default (docs/speculative.md, "Policy"): `moebench run
---speculative ngram` drafts only in steps of at most SPEC_MAX_BATCH_DEFAULT sequences unless told
-otherwise, and the manifest records the limit the run used."""
+--speculative ngram` drafts only in steps of one sequence unless told otherwise, mtp in any batch,
+and the manifest records the limit the run used and where it came from."""
 
 import json
 import sys
 
 import pytest
 
-from moebench.cli.options import SPEC_MAX_BATCH_DEFAULT
+from moebench.engine.speculative import DEFAULT_MAX_BATCH
 
 
 def _run(monkeypatch, tmp_path, run_id, *extra):
@@ -26,12 +26,14 @@ def _run(monkeypatch, tmp_path, run_id, *extra):
 
 
 def test_the_default_limit_is_recorded_and_lets_a_batch_of_one_draft(monkeypatch, tmp_path):
-    assert SPEC_MAX_BATCH_DEFAULT == 1
+    assert DEFAULT_MAX_BATCH == {"ngram": 1, "mtp": None}
     record, ev = _run(monkeypatch, tmp_path, "b1", "--batch-size", "1")
-    assert record["method"] == "ngram" and record["max_batch"] == SPEC_MAX_BATCH_DEFAULT
-    assert ev["max_batch"] == SPEC_MAX_BATCH_DEFAULT and ev["steps_off_by_batch"] == 0 and ev["drafted"] > 0
+    assert record["method"] == "ngram" and record["max_batch"] == 1
+    assert record["max_batch_from"] == "the method's default"
+    assert ev["max_batch"] == 1 and ev["steps_off_by_batch"] == 0 and ev["drafted"] > 0
 
 
 def test_a_larger_limit_is_recorded_and_drafts_in_full_batches(monkeypatch, tmp_path):
     record, ev = _run(monkeypatch, tmp_path, "b3", "--batch-size", "3", "--spec-max-batch", "3")
     assert record["max_batch"] == 3 and ev["steps_off_by_batch"] == 0 and ev["drafted"] > 0
+    assert record["max_batch_from"] == "--spec-max-batch"

@@ -52,7 +52,9 @@ def _requests(suite, sampling):
 
 
 def _generate(checkpoints, tokenizer, suite, sampling=GREEDY, **runtime):
-    rt = RuntimeConfig(**{"batch_size": 16, "max_new_tokens": MAX_NEW, "offload_tier": "host", **runtime})
+    # every step drafts, whatever the batch: these tests are about exactness, not the batch policy
+    rt = RuntimeConfig(**{"batch_size": 16, "max_new_tokens": MAX_NEW, "offload_tier": "host", "spec_max_batch": 16,
+                          **runtime})
     return Engine(checkpoints(rt), tokenizer, rt).generate(_requests(suite, sampling))
 
 
@@ -168,7 +170,7 @@ def test_a_speculative_run_that_drafts_nothing_is_an_activation_error(checkpoint
 
 
 def test_bad_settings_are_refused():
-    for bad in [dict(speculative="mtp"), dict(speculative="ngram", spec_tokens=0),
+    for bad in [dict(speculative="eagle"), dict(speculative="ngram", spec_tokens=0),
                 dict(speculative="ngram", spec_max_batch=0)]:
         with pytest.raises(MoebenchError):
             RuntimeConfig(**bad)

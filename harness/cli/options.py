@@ -79,16 +79,14 @@ SPECULATIVE_PANEL = "Speculative decoding"
 
 SPECULATIVE = typer.Option(
     "off", "--speculative", rich_help_panel=SPECULATIVE_PANEL,
-    help="off, or ngram: prompt-lookup drafts (the longest recent 3..1-gram found earlier in prompt + output "
-         "proposes what followed it), verified in one decode forward. Exact: the emitted tokens are plain "
-         "decoding's, greedy or sampled (docs/speculative.md). With --ablate, the speculative axis of --axes.")
+    help="off, ngram: prompt-lookup drafts (the longest recent 3..1-gram found earlier in prompt + output "
+         "proposes what followed it), or mtp: the checkpoint's multi-token-prediction head drafts (config "
+         "num_nextn_predict_layers; the bundled model has one); verified in one decode forward. Exact: the emitted "
+         "tokens are plain decoding's, greedy or sampled (docs/speculative.md). With --ablate, the speculative axis of --axes.")
 SPEC_TOKENS = typer.Option(
     4, "--spec-tokens", rich_help_panel=SPECULATIVE_PANEL, help="Draft tokens per sequence and verify step (1..16).")
-# Measured on the bundled model (docs/speculative.md, "Policy"): a verify step costs more plain steps
-# than the tokens it emits at every batch size above 1, so by default only a step of one sequence drafts
-SPEC_MAX_BATCH_DEFAULT = 1
 SPEC_MAX_BATCH = typer.Option(
-    SPEC_MAX_BATCH_DEFAULT, "--spec-max-batch", rich_help_panel=SPECULATIVE_PANEL,
-    help="Steps with more sequences than this run without drafts (vLLM's disable-by-batch-size). Default "
-         f"{SPEC_MAX_BATCH_DEFAULT}: on the bundled model verification costs more than it saves at every larger "
-         "batch (docs/speculative.md, Policy); give --batch-size or more to draft in every step.")
+    None, "--spec-max-batch", rich_help_panel=SPECULATIVE_PANEL,
+    help="Steps with more sequences than this run without drafts (vLLM's disable-by-batch-size). Default: the "
+         "method's own, measured on the bundled model (docs/speculative.md, Policy): ngram 1 (verification costs "
+         "more than it saves at every larger batch), mtp any batch size; give --batch-size or more to draft in every step.")

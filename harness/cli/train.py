@@ -23,12 +23,17 @@ def train_bundled_command(
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 300,
     threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest on a shared machine).")] = 1,
+    mtp: Annotated[bool, typer.Option("--mtp", help="Instead: train a multi-token-prediction head for the bundled "
+                                                    "model (base frozen) and write the model plus mtp.safetensors to "
+                                                    "--out (--speculative mtp drafts with it; moebench/models/train_mtp.py).")] = False,
+    mtp_steps: Annotated[int, typer.Option(help="With --mtp: optimizer steps.")] = 1500,
+    mtp_minutes: Annotated[float, typer.Option(help="With --mtp: wall-time cap (minutes).")] = 16.0,
 ) -> None:
-    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split."""
+    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split (--mtp: its MTP head)."""
     from moebench.fileio import ensure_writable_dir
 
     out = ensure_writable_dir(out, "--out")
-    log_file = out / "train_log.txt"
+    log_file = out / ("mtp_train_log.txt" if mtp else "train_log.txt")
     log_file.write_text("")
 
     def log(msg):
@@ -36,6 +41,11 @@ def train_bundled_command(
         with log_file.open("a") as f:
             f.write(msg + "\n")
 
+    if mtp:
+        from moebench.models.train_mtp import train_mtp
+
+        train_mtp(out=out, minutes=mtp_minutes, seed=seed, steps=mtp_steps, batch_size=batch_size, threads=threads, log=log)
+        return
     from moebench.models.train import train
 
     train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
