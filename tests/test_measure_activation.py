@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from moebench.errors import ActivationError, MoebenchError
-from moebench.measuring.run import run_command
+from moebench.cli.run import run_command
 
 
 def run(tmp_path, *args):

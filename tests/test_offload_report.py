@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from moebench.errors import MoebenchError
 from moebench.results.report import write_report
-from moebench.measuring.run import run_command
+from moebench.cli.run import run_command
 
 
 def test_default_ablation_offloads_to_disk_and_reports_memory(tmp_path):

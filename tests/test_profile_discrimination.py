@@ -257,7 +257,7 @@ def test_bundled_switch_evidence_must_fail_on_the_baseline(tmp_path):
     import typer
 
     from moebench.ablation import point
-    from moebench.measuring.run import run_command
+    from moebench.cli.run import run_command
 
     app = typer.Typer()
     app.command("run")(run_command)
