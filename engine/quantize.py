@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from moebench.engine.config import WEIGHT_PRECISIONS  # noqa: F401 (f32: the checkpoint's own precision)
+from moebench.engine.config import WEIGHT_PRECISIONS  # f32: the checkpoint's own precision
 from moebench.errors import MoebenchError
 from moebench.kernels.reference import PACKED_EXTRA  # a packed row's scale and padding bytes
 

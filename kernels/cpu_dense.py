@@ -19,6 +19,10 @@ widened for it first: exact, a copy per call). The result equals `F.linear` to f
 rounding, not bit for bit (the sums run in another order). `MOEBENCH_DENSE_KERNEL=torch` keeps
 `F.linear` everywhere (for A/B measurements); `dense_backends()` counts the calls each one ran.
 
+int8 rows that carry their scale (--weights int8, docs/int8.md: `reference.unpack_int8_rows`) stream
+through the same kernel, which multiplies each row's sum by its scale; in torch (prefill rows) they run
+`reference.rows_linear_reference`. `weight_stats()` says what the kernels streamed, by dtype.
+
 The LM head goes through `lm_head(x, weight, scale)`: the same kernel, which also streams int8 and
 fp8 e4m3 heads with a float32 scale per row (--lm-head, docs/lm-head.md), widening them in
 registers, and counts what it streamed per weight dtype (`lm_head_stats`, activation evidence).
