@@ -170,3 +170,16 @@ def test_weights_axis_is_approximate():
     config = ablation_matrix((), weights=("int8",))[1]
     assert config.to_dict() == {"name": "weights=int8", "kernel": "naive", "scheduler": "static", "prefetch": "off",
                                 "weights": "int8", "approximate": True}
+
+
+def test_a_run_with_int8_configs_offloads_every_config_to_the_same_tier(capsys):
+    """int8 experts cannot come from disk; the baseline must not either, or the weights switch would
+    also change the tier its speedup is measured against."""
+    from moebench.engine import RuntimeConfig
+    from moebench.measuring.run import _one_tier_for_every_config
+
+    with_int8 = ablation_matrix((), weights=("int8",))
+    assert _one_tier_for_every_config(RuntimeConfig(offload_tier="disk"), with_int8).offload_tier == "host"
+    assert "weights=int8" in capsys.readouterr().err
+    without = ablation_matrix(("kernel",))
+    assert _one_tier_for_every_config(RuntimeConfig(offload_tier="disk"), without).offload_tier == "disk"

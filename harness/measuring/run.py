@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 
-from moebench.ablation import (LM_HEAD_AXIS, LOW_PRECISION_HEADS, LOW_PRECISION_WEIGHTS, OFF, SPECULATIVE_AXIS, SWITCHES,
+from moebench.ablation import (FULL_WEIGHTS, LM_HEAD_AXIS, LOW_PRECISION_HEADS, LOW_PRECISION_WEIGHTS, OFF, SPECULATIVE_AXIS, SWITCHES,
                                WEIGHTS_AXIS, ConfigPoint,
                                ablation_matrix, negative_control, parse_axes, point, resident_reference)
 from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
@@ -101,6 +101,7 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
             speculative="off" if args["ablate"] else args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
             spec_max_batch=args.get("spec_max_batch"),
         )
+        base_runtime = _one_tier_for_every_config(base_runtime, configs)
         for cfg in configs:
             _runtime_for(base_runtime, cfg)
 
@@ -141,6 +142,20 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
     finally:
         os.close(lock)
     _print_next_steps(run_dir)
+
+
+def _one_tier_for_every_config(base_runtime, configs):
+    """--weights int8's experts exist only in memory, so a disk tier cannot hold them and its configs
+    offload to host memory instead: the whole run then does, so the weights switch changes only the
+    weights' precision (not the tier its speedup is measured against)."""
+    from dataclasses import replace
+
+    in_memory_only = [c.name for c in configs if c.weights != FULL_WEIGHTS]
+    if base_runtime.offload_tier != "disk" or not in_memory_only:
+        return base_runtime
+    print(f"moebench: offload tier host for every config, not disk: {', '.join(in_memory_only)} "
+          "hold int8 experts that exist only in memory", file=sys.stderr, flush=True)
+    return replace(base_runtime, offload_tier="host")
 
 
 def _claim_run_dir(out: Path, run_id: str | None, args: dict) -> Path:
