@@ -37,7 +37,7 @@ def print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_t
         table.add_column(col, justify="right")
     for r in rows:
         mine, theirs = r["engines"][bundled.name], [r["engines"][n] for n in names]
-        ratio = f"{r['ratio_median']:.2f}x" + (f" ({r['ratio_against']})" if several else "")
+        ratio = f"{r['ratio_median']:.2f}x"  # with several yardsticks, which one is said under the table
         table.add_row(
             str(r["threads"]), str(r["batch"]), f"{mine['decode_tok_s']:.1f}", *(f"{e['decode_tok_s']:.1f}" for e in theirs),
             ratio, f"{r['bytes_per_step'] / 1e6:.0f}", f"{theirs[0]['bytes_per_step'] / 1e6:.0f}",
@@ -51,9 +51,11 @@ def print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_t
                       + " / ".join(f"{r['engines'][n]['roofline_fraction_of_best_probe']:.0%}" for n in (bundled.name, *names))
                       + f" ({r['best_bandwidth_gb_s']:.1f} GB/s)" for r in rows) + f" ({' / '.join((bundled.name, *names))})")
     if several:
-        console.print("ratio against each yardstick (median of the per-round ratios): " + "; ".join(
-            f"{r['threads']}t b{r['batch']} " + ", ".join(f"{n} {r['ratios'][n]['median']:.2f}x" for n in names)
-            for r in rows))
+        console.print("ratio against each yardstick (median of the per-round ratios; * the faster one, the ratio "
+                      "in the table): " + "; ".join(
+                          f"{r['threads']}t b{r['batch']} " + ", ".join(
+                              f"{n}{'*' if n == r['ratio_against'] else ''} {r['ratios'][n]['median']:.2f}x" for n in names)
+                          for r in rows))
     if repeats >= 2:
         console.print(f"95% intervals over the {repeats} rounds (Student t on the logs of the per-round values; "
                       "geometric mean [low, high]): " + "; ".join(
