@@ -50,6 +50,8 @@ def test_greedy_comparison_counts_and_locates_differences():
     (["--new-tokens", "1"], "--new-tokens"),
     (["--threads", "0"], "--threads"),
     (["--kernel", "fast"], "--kernel"),
+    (["--vs", "llama.cpp", "--llama-bench", "fastest"], "--llama-bench"),
+    (["--llama-bench", "batched"], "with --vs llama.cpp"),  # a yardstick of llama.cpp, not of transformers
 ])
 def test_bad_options_are_one_line_exit_2(capsys, monkeypatch, tiny, args, needle):
     code, _, err = run_cli(capsys, monkeypatch, "bench-engine", "--model", tiny, *args)
@@ -63,7 +65,7 @@ def test_missing_model_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
     assert code == 2 and "config.json" in err and "Traceback" not in err
 
 
-def _check_manifest(path, other: str, batches, threads):
+def _check_manifest(path, other: str, batches, threads, engines=None):
     manifest = json.loads(path.read_text())
     assert manifest["schema"] == "moebench.bench-engine/1" and manifest["vs"] == other
     assert manifest["versions"]["torch"] and "git_commit" in manifest  # what ran (None outside a git checkout)
@@ -72,9 +74,10 @@ def _check_manifest(path, other: str, batches, threads):
     for row in manifest["rows"]:
         assert row["bytes_per_step"] > 0 and row["bandwidth_gb_s"] > 0
         assert row["roofline_tok_s"] == pytest.approx(row["batch"] * row["bandwidth_gb_s"] * 1e9 / row["bytes_per_step"])
-        assert set(row["engines"]) == {"moebench", other}
-        # a probe before each round's first run, and one after each run: 3 per round and batch
-        assert len(row["bandwidth_by_reader_probes"]) == 3 * manifest["repeats"] * len(batches)
+        assert set(row["engines"]) == {"moebench", *(engines or [other])}
+        # a probe before each round's first run, and one after each engine's run: 3 (4 with two
+        # llama.cpp yardsticks) per round and batch
+        assert len(row["bandwidth_by_reader_probes"]) == (len(row["engines"]) + 1) * manifest["repeats"] * len(batches)
         assert row["best_bandwidth_gb_s"] == max(max(p.values()) for p in row["bandwidth_by_reader_probes"])
         for name, figures in row["engines"].items():
             assert len(figures["decode_tok_s_rounds"]) == manifest["repeats"]
@@ -89,6 +92,9 @@ def _check_manifest(path, other: str, batches, threads):
             # reordering; the runtime's first tokens must agree with transformers', llama.cpp's
             # (other kernels, batched slots) its first one.
             agree = 2 if name == "moebench" else 1
+            if name == "llama-batched-bench":  # it decodes random tokens: nothing to compare
+                assert figures["first_difference"] is figures["greedy_identical_to_transformers"] is None
+                continue
             assert all(d is None or d >= agree for d in figures["first_difference"]), (name, figures)
         _check_interval(row["ratio_interval"], row["ratio_rounds"])
     assert manifest["runtime_evidence"]["kernel"]["fused_calls"] > 0
@@ -163,8 +169,32 @@ def test_against_llama_cpp_server(capsys, monkeypatch, tiny, tmp_path, llama_ser
                                 "--batch", "1", "--batch", "2", "--threads", "1", "--new-tokens", "6",
                                 "--repeats", "1", "--prompt-len", "10", "--out", out)
     assert code in (0, None), err
-    assert "llama-server in huge pages" in stdout
-    manifest = _check_manifest(out, "llama.cpp", [1, 2], [1])
-    argv = manifest["llama_server"]["argv"]
-    assert "--load-mode" in argv and argv[argv.index("--load-mode") + 1] == "none"
-    assert argv[argv.index("-ctk") + 1] == "f32"
+    assert "llama-server in huge pages" in stdout and "llama-batched-bench in huge pages" in stdout
+    yardsticks = ["llama-server", "llama-batched-bench"]  # both by default
+    manifest = _check_manifest(out, "llama.cpp", [1, 2], [1], yardsticks)
+    assert manifest["llama_bench"] == "both"
+    for argv in (manifest["llama_server"]["argv"], manifest["llama_batched_bench"]["argv"]["1"]["2"]):
+        assert "--load-mode" in argv and argv[argv.index("--load-mode") + 1] == "none"
+        assert argv[argv.index("-ctk") + 1] == "f32"
+    # batched-bench ran each cell with the same prompt, the decode steps of 6 new tokens, the batch
+    assert sorted((r["prompt_tokens"], r["decode_steps"], r["batch"]) for r in manifest["llama_batched_bench"]["runs"]) == [
+        (10, 5, 1), (10, 5, 2)]
+    for row in manifest["rows"]:
+        rates = {name: row["engines"][name]["decode_tok_s"] for name in yardsticks}  # NaN: no decode time
+        rates = {name: rate if math.isfinite(rate) else -math.inf for name, rate in rates.items()}
+        assert row["ratio_against"] == max(rates, key=rates.get)  # the faster llama.cpp figure
+        assert row["ratio_rounds"] == row["ratios"][row["ratio_against"]]["rounds"]
+        for name in yardsticks:
+            assert row["ratios"][name]["rounds"] == pytest.approx(
+                [m / o for m, o in zip(row["engines"]["moebench"]["decode_tok_s_rounds"],
+                                       row["engines"][name]["decode_tok_s_rounds"])], nan_ok=True)
+
+
+def test_llama_bench_server_alone(capsys, monkeypatch, tiny, tmp_path, llama_server):
+    out = tmp_path / "bench.json"
+    code, stdout, err = run_cli(capsys, monkeypatch, "bench-engine", "--model", tiny, "--vs", "llama.cpp",
+                                "--llama-bench", "server", "--batch", "1", "--threads", "1", "--new-tokens", "4",
+                                "--repeats", "1", "--prompt-len", "6", "--out", out)
+    assert code in (0, None), err
+    manifest = _check_manifest(out, "llama.cpp", [1], [1], ["llama-server"])
+    assert manifest["llama_batched_bench"] is None and manifest["rows"][0]["ratio_against"] == "llama-server"

@@ -1,9 +1,10 @@
-"""llama.cpp's `llama-server`, built from source by moebench, and the bundled model as a GGUF file.
+"""llama.cpp's `llama-server` and `llama-batched-bench`, built from source by moebench, and the
+bundled model as a GGUF file.
 
 The source is the registry's `llama-cpp-python` source distribution, which vendors the whole
 llama.cpp tree (server included) under `vendor/llama.cpp`; pip fetches it, cmake builds only the
-`llama-server` target. The binary is cached per llama.cpp version and per CPU: `GGML_NATIVE=ON`
-compiles ggml's CPU backend with `-march=native` and no run-time dispatch (dispatch needs
+`llama-server` and `llama-batched-bench` targets. The binaries are cached per llama.cpp version
+and per CPU: `GGML_NATIVE=ON` compiles ggml's CPU backend with `-march=native` and no run-time dispatch (dispatch needs
 `GGML_BACKEND_DL` with `GGML_CPU_ALL_VARIANTS`, a build of every variant), so a binary built on
 an AVX-512 machine would die of an illegal instruction on an AVX2-only one. The cache key holds
 a digest of the CPU's feature flags; a machine with other flags builds its own copy.
@@ -33,7 +34,7 @@ from moebench.errors import MoebenchError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 VENDORED_TREE = "vendor/llama.cpp"
-# Only the server, statically linked so the cached binary needs nothing from the build tree; no
+# Only the targets below, statically linked so the cached binary needs nothing from the build tree; no
 # web UI (its prebuilt assets would be fetched from the network), no TLS (loopback only).
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -49,6 +50,10 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DGGML_CCACHE=OFF",
 )
+# Built together by one `cmake --build`: the server (bench-engine's HTTP yardstick, serve) and
+# llama.cpp's own batched decode benchmark (bench-engine's in-process yardstick).
+LLAMA_TARGETS = ("llama-server", "llama-batched-bench")
+BINARY_OVERRIDES = {"llama-server": "MOEBENCH_LLAMA_SERVER", "llama-batched-bench": "MOEBENCH_LLAMA_BATCHED_BENCH"}
 BUILD_JOBS = 2
 # about 10 CPU-minutes of compiling (measured, docs/engines.md): the wall time depends on the load
 BUILD_ESTIMATE = "about 10 CPU-minutes: ~5-6 min on 2 idle cores, 20-35 min on a busy shared 2-core VM"
@@ -140,15 +145,19 @@ def _extract_vendored_tree(sdist: Path, dest: Path) -> Path:
     return dest / top / VENDORED_TREE
 
 
-def build_llama_server(dest: Path) -> Path:
-    """Fetch the source distribution, build `llama-server` into `dest/bin`, record how in `dest/build.json`."""
+def build_llama_binaries(dest: Path, targets: tuple[str, ...] = LLAMA_TARGETS) -> dict[str, Path]:
+    """Fetch the source distribution, build `targets` with one `cmake --build` into `dest/bin`,
+    record how in `dest/build.json` (one entry per target, so a later build of a missing target
+    keeps the record of the earlier ones)."""
     tools = _toolchain()
     dest.mkdir(parents=True, exist_ok=True)
     log = dest / "build.log"
-    log.write_text("")
-    _say(f"building llama.cpp's llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s source "
-         f"distribution, once for this CPU ({BUILD_ESTIMATE}); cached in {dest}; log: {log}")
+    with open(log, "a") as out:
+        out.write(f"\n# building {' '.join(targets)}\n")
+    _say(f"building llama.cpp's {' and '.join(targets)} from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s "
+         f"source distribution, once for this CPU ({BUILD_ESTIMATE}); cached in {dest}; log: {log}")
     started = time.monotonic()
+    built_paths: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="build-", dir=dest.parent) as work:
         work = Path(work)
         _run_logged([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
@@ -162,44 +171,75 @@ def build_llama_server(dest: Path) -> Path:
         _run_logged([tools["cmake"], "-S", str(source), "-B", str(build), *CMAKE_OPTIONS,
                      f"-DCMAKE_C_COMPILER={tools['C compiler']}", f"-DCMAKE_CXX_COMPILER={tools['C++ compiler']}"],
                     log, "configuring llama.cpp with cmake")
-        _run_logged([tools["cmake"], "--build", str(build), "--target", "llama-server", "-j", str(BUILD_JOBS)],
-                    log, "building llama-server")
-        built = build / "bin" / "llama-server"
-        if not built.is_file():
-            raise MoebenchError(f"the build finished without {built} (full log: {log})")
+        target_args = [arg for name in targets for arg in ("--target", name)]
+        _run_logged([tools["cmake"], "--build", str(build), *target_args, "-j", str(BUILD_JOBS)],
+                    log, f"building {' and '.join(targets)}")
         (dest / "bin").mkdir(exist_ok=True)
-        target = dest / "bin" / "llama-server"
-        staging = target.with_name(".llama-server.tmp")
-        shutil.copy2(built, staging)
-        os.replace(staging, target)
+        for name in targets:
+            built = build / "bin" / name
+            if not built.is_file():
+                raise MoebenchError(f"the build finished without {built} (full log: {log})")
+            target = dest / "bin" / name
+            staging = target.with_name(f".{name}.tmp")
+            shutil.copy2(built, staging)
+            os.replace(staging, target)
+            built_paths[name] = target
     minutes = (time.monotonic() - started) / 60
     record = {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "cmake_options": list(CMAKE_OPTIONS),
-              "jobs": BUILD_JOBS, "minutes": round(minutes, 1), "machine": platform.machine(),
-              "cpu_flags": cpu_features(), "compilers": {k: v for k, v in tools.items() if k != "cmake"}}
-    (dest / "build.json").write_text(json.dumps(record, indent=1) + "\n")
-    _say(f"llama-server built in {minutes:.1f} min: {target}")
-    return target
+              "jobs": BUILD_JOBS, "minutes": round(minutes, 1), "built_with": list(targets),
+              "machine": platform.machine(), "cpu_flags": cpu_features(),
+              "compilers": {k: v for k, v in tools.items() if k != "cmake"}}
+    records = _build_records(dest)
+    records.update({name: record for name in targets})
+    (dest / "build.json").write_text(json.dumps(records, indent=1) + "\n")
+    _say(f"{' and '.join(targets)} built in {minutes:.1f} min: {dest / 'bin'}")
+    return built_paths
 
 
-def llama_server_path(build: bool = True) -> Path:
-    """The cached `llama-server` for this CPU; built first (under a lock) when there is none.
-    `MOEBENCH_LLAMA_SERVER` names a binary to use instead (one you built yourself)."""
-    if os.environ.get("MOEBENCH_LLAMA_SERVER"):
-        given = Path(os.environ["MOEBENCH_LLAMA_SERVER"])
+def _build_records(dest: Path) -> dict:
+    """`dest/build.json` as {target: record}; a cache from before the per-target records (one flat
+    record, for the server alone) reads as the server's."""
+    try:
+        records = json.loads((dest / "build.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"llama-server": records} if "llama_cpp_python" in records else records
+
+
+def llama_binary_path(name: str, build: bool = True) -> Path:
+    """The cached llama.cpp binary `name` (one of LLAMA_TARGETS) for this CPU. When it is missing,
+    every missing target is built in one go, under a lock; targets already cached are not rebuilt.
+    The environment variable in BINARY_OVERRIDES names a binary to use instead (one you built)."""
+    if name not in LLAMA_TARGETS:
+        raise ValueError(f"unknown llama.cpp binary {name!r}; known: {', '.join(LLAMA_TARGETS)}")
+    override = BINARY_OVERRIDES[name]
+    if os.environ.get(override):
+        given = Path(os.environ[override])
         if not (given.is_file() and os.access(given, os.X_OK)):
-            raise MoebenchError(f"MOEBENCH_LLAMA_SERVER={given}: not an executable file")
+            raise MoebenchError(f"{override}={given}: not an executable file")
         return given
     dest = build_dir()
-    binary = dest / "bin" / "llama-server"
+    binary = dest / "bin" / name
     if binary.is_file():
         return binary
     if not build:
-        raise MoebenchError(f"no llama-server built for this CPU in {dest} (run `moebench engines build-llamacpp`)")
+        raise MoebenchError(f"no {name} built for this CPU in {dest} (run `moebench engines build-llamacpp`)")
     with _file_lock(dest.parent / f"{dest.name}.lock",
                     f"another moebench process is building llama.cpp into {dest}; waiting for it"):
-        if binary.is_file():  # the other process finished it
-            return binary
-        return build_llama_server(dest)
+        missing = tuple(t for t in LLAMA_TARGETS if not (dest / "bin" / t).is_file())
+        if missing:  # else the other process finished it
+            build_llama_binaries(dest, missing)
+        return binary
+
+
+def llama_server_path(build: bool = True) -> Path:
+    """The cached `llama-server` for this CPU (`MOEBENCH_LLAMA_SERVER` overrides)."""
+    return llama_binary_path("llama-server", build)
+
+
+def llama_batched_bench_path(build: bool = True) -> Path:
+    """The cached `llama-batched-bench` for this CPU (`MOEBENCH_LLAMA_BATCHED_BENCH` overrides)."""
+    return llama_binary_path("llama-batched-bench", build)
 
 
 def checkpoint_digest(model_dir: Path) -> str:
@@ -239,6 +279,8 @@ def bundled_gguf_path(dtype: str = "f32") -> Path:
 
 @cli.command("build-llamacpp")
 def build_llamacpp_command() -> None:
-    """Build (or find cached) llama.cpp's llama-server for this CPU and export the bundled model to GGUF."""
+    """Build (or find cached) llama.cpp's llama-server and llama-batched-bench for this CPU and export
+    the bundled model to GGUF."""
     typer.echo(llama_server_path())
+    typer.echo(llama_batched_bench_path())
     typer.echo(bundled_gguf_path())

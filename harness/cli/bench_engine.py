@@ -13,7 +13,8 @@ from moebench.cli.options import WEIGHTS
 def bench_engine_command(
 
     model: Optional[Path] = typer.Option(None, "--model", help="Checkpoint directory; default: a random 0.89B Qwen3-MoE (8 layers, hidden 1024, 128 experts top-8, width 256, vocab 32000) written to a temp dir."),
-    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process), llama.cpp (llama-server on the checkpoint exported to an F32 GGUF) or moebench (the runtime itself with its float32 LM head: with --lm-head, that head's speedup)."),
+    vs: str = typer.Option("transformers", "--vs", help="The engine to compare with: transformers (generate() in this process), llama.cpp (the checkpoint exported to a GGUF of its weight type; see --llama-bench) or moebench (the runtime itself with its float32 LM head: with --lm-head, that head's speedup)."),
+    llama_bench: Optional[str] = typer.Option(None, "--llama-bench", help="With --vs llama.cpp, llama.cpp's yardstick: server (llama-server over HTTP), batched (llama-batched-bench, its own in-process decode benchmark) or both (the default), timed in the same interleaved rounds; the ratio is against the faster one."),
     batch: list[int] = typer.Option([1, 16], "--batch", help="Batch sizes to measure (repeat the option)."),
     threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread counts to measure (repeat the option); default: every core of the machine, the count that measured fastest for both engines at batch 1 and 16 (docs/cpu-decode.md)."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Prompt tokens per request."),
@@ -35,4 +36,4 @@ def bench_engine_command(
     bytes per step, the roofline at the bandwidth measured in the same run, and greedy agreement."""
     from moebench.measuring.bench_engine import bench_engine
 
-    bench_engine(model=model, vs=vs, batch=batch, threads=threads, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, layers=layers, kernel=kernel, scheduler=scheduler, dtype=dtype, gguf_dtype=gguf_dtype, decode_path=decode_path, lm_head=lm_head, weights=weights, hf_experts=hf_experts, hf_huge_pages=hf_huge_pages, out=out)
+    bench_engine(model=model, vs=vs, llama_bench=llama_bench, batch=batch, threads=threads, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, layers=layers, kernel=kernel, scheduler=scheduler, dtype=dtype, gguf_dtype=gguf_dtype, decode_path=decode_path, lm_head=lm_head, weights=weights, hf_experts=hf_experts, hf_huge_pages=hf_huge_pages, out=out)

@@ -3,16 +3,20 @@ prompts, batch and greedy settings, timed side by side (interleaved rounds) in o
 
 `--vs transformers` (default) times `transformers.generate()` in this process; `--vs llama.cpp`
 exports the checkpoint to a GGUF of the same weight type (`moebench export gguf`, `--dtype`: a
-bfloat16 checkpoint as BF16, or F16 with `--gguf-dtype f16`) and times llama.cpp's own
-`llama-server` (built by `moebench engines build-llamacpp`), started once per thread count with
-its weights read into memory (`--load-mode none`, i.e. no mmap) in huge pages (glibc's malloc
-asked for transparent huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1; the server's
-`AnonHugePages` is checked and printed) and an F32 KV cache, as the runtime keeps its own.
+bfloat16 checkpoint as BF16, or F16 with `--gguf-dtype f16`) and times llama.cpp (built by
+`moebench engines build-llamacpp`) with two yardsticks (`--llama-bench`, both by default):
+its `llama-server`, started once per thread count, and its own decode benchmark
+`llama-batched-bench` (engines/batched_bench.py), one process per timed cell. Both read their
+weights into memory (`--load-mode none`, i.e. no mmap) in huge pages (glibc's malloc asked for
+transparent huge pages with GLIBC_TUNABLES=glibc.malloc.hugetlb=1; each one's `AnonHugePages` is
+checked and printed) and keep an F32 KV cache, as the runtime keeps its own.
 
-Decode tokens/s for every engine = batch * (new_tokens - 1) / (time(new_tokens) - time(1)): the
-same subtraction of the prefill (and of the HTTP round trip) for each, so no engine is measured by
-a different clock. Each round runs every engine once per (threads, batch), alternating which goes
-first; the table shows medians over rounds and the median of the per-round ratios.
+Decode tokens/s for the runtime, transformers and llama-server = batch * (new_tokens - 1) /
+(time(new_tokens) - time(1)): the same subtraction of the prefill (and of the HTTP round trip) for
+each, so none is measured by a different clock. llama-batched-bench times its own new_tokens - 1
+decode steps after its prefill (its S_TG). Each round runs every engine once per (threads, batch),
+each going first in turn; the table shows medians over rounds and the median of the per-round
+ratios, against the faster llama.cpp yardstick (by its median) when there are two.
 
 Beside the rates: the bytes a decode step must read (the runtime's own step records: its routed
 experts' weights, every other weight, the KV cache; for llama.cpp and transformers the same step
@@ -44,14 +48,16 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
-from rich.table import Table
 
+from moebench.measuring.bench_engine_table import interval_text, print_table  # noqa: F401 (interval_text: pool_bench_engine's)
+from moebench.backends.batched_bench import LlamaBatchedBenchSide
 from moebench.errors import MoebenchError
 
 DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
                      intermediate_size=2048, vocab_size=32000)
 VS_CHOICES = ("transformers", "llama.cpp", "moebench")
+LLAMA_BENCH_CHOICES = ("server", "batched", "both")  # llama.cpp's yardsticks: llama-server, llama-batched-bench
 DTYPES = ("f32", "bf16")  # the runtime's weights: a float32 or a bfloat16 checkpoint
 MANIFEST_SCHEMA = "moebench.bench-engine/1"
 
@@ -122,9 +128,9 @@ class TransformersSide:
 
 
 class LlamaServerSide:
-    """llama.cpp's llama-server on the checkpoint's F32 GGUF, one server per thread count."""
+    """llama.cpp's llama-server on the checkpoint's GGUF, one server per thread count."""
 
-    name = "llama.cpp"
+    name = "llama-server"
 
     def __init__(self, gguf: Path, max_batch: int, context_per_slot: int, log_dir: Path):
         from moebench.backends.llamacpp import llama_server_path
@@ -177,7 +183,9 @@ class LlamaServerSide:
                 raise MoebenchError(f"llama-server not healthy after 300 s (log: {self.log_dir})")
             time.sleep(0.25)
         self.threads = threads
-        self.huge_page_bytes[threads] = _anon_huge_page_bytes(self.proc.pid)
+        from moebench.backends.batched_bench import anon_huge_page_bytes
+
+        self.huge_page_bytes[threads] = anon_huge_page_bytes(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -210,16 +218,6 @@ class LlamaServerSide:
             tokens = list(pool.map(lambda p: self._complete(p, new_tokens), prompts))
             seconds = time.perf_counter() - start
         return seconds, tokens
-
-
-def _anon_huge_page_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -314,9 +312,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _or_lowest(value: float) -> float:
+    return value if math.isfinite(value) else -math.inf
+
+
 def bench_engine(
     model: Optional[Path],
     vs: str,
+    llama_bench: Optional[str],
     batch: list[int],
     threads: Optional[list[int]],
     prompt_len: int,
@@ -346,6 +349,8 @@ def bench_engine(
         raise MoebenchError(f"--kernel {kernel!r} / --scheduler {scheduler!r}: expected naive|fused, static|continuous")
     if lm_head not in ("f32", "bf16", "int8", "fp8"):
         raise MoebenchError(f"--lm-head {lm_head!r}: choose from f32, bf16, int8, fp8")
+    if llama_bench is not None and (vs != "llama.cpp" or llama_bench not in LLAMA_BENCH_CHOICES):
+        raise MoebenchError(f"--llama-bench {llama_bench!r}: choose from {', '.join(LLAMA_BENCH_CHOICES)}, with --vs llama.cpp")
     if vs == "moebench" and lm_head == "f32" and weights == "f32":
         raise MoebenchError("--vs moebench times the runtime against its checkpoint's own weights: give --lm-head "
                             "bf16, int8 or fp8, or --weights int8")
@@ -406,7 +411,8 @@ def bench_engine(
         if vs == "moebench":  # the same runtime with the checkpoint's own (float32) LM head
             del hf
             gc.collect()
-            other = BundledSide(ckpt, kernel, scheduler, decode_path, "f32", name="moebench f32 head" if weights == "f32" else f"moebench {dtype}")
+            others = [BundledSide(ckpt, kernel, scheduler, decode_path, "f32",
+                                  name="moebench f32 head" if weights == "f32" else f"moebench {dtype}")]
         elif vs == "llama.cpp":
             del hf
             gc.collect()
@@ -414,11 +420,16 @@ def bench_engine(
 
             with console.status(f"exporting the checkpoint to a {gguf_dtype.upper()} GGUF"):
                 gguf = export_gguf(path, tmp / f"model-{gguf_dtype}.gguf", gguf_dtype)
-            other = LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)
-            their_weights = gguf_weight_bytes(gguf, ckpt.config)
+            llama_bench = llama_bench or "both"
+            others = ([LlamaServerSide(gguf, max(batches), prompt_len + new_tokens + 8, tmp)]
+                      if llama_bench in ("server", "both") else [])
+            others += [LlamaBatchedBenchSide(gguf, prompt_len)] if llama_bench in ("batched", "both") else []
+            their_weights = gguf_weight_bytes(gguf, ckpt.config)  # every llama.cpp yardstick reads the same GGUF
         else:
-            other = hf
+            others = [hf]
             their_weights = float32_weight_bytes(ckpt)
+        server = next((o for o in others if isinstance(o, LlamaServerSide)), None)
+        batched_bench = next((o for o in others if isinstance(o, LlamaBatchedBenchSide)), None)
         bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head, weights=weights,
                               name="moebench" + (f" {weights}" if weights != "f32" else "")
                               + (f" {lm_head} head" if lm_head != "f32" else ""))
@@ -428,15 +439,17 @@ def bench_engine(
             for t in thread_counts:
                 torch.set_num_threads(t)
                 readers: list[dict[str, float]] = []  # each probe's GB/s by reader, in the order taken
+                sides = [bundled, *others]
                 figures = {(b, side.name): {"rates": [], "bandwidths": [], "tokens": None}
-                           for b in batches for side in (bundled, other)}
+                           for b in batches for side in sides}
                 # bytes a decode step reads, by the runtime's own step records (each side of --vs moebench its own)
-                bytes_per_step = {(b, side.name): [] for b in batches for side in (bundled, other)}
+                bytes_per_step = {(b, side.name): [] for b in batches for side in sides}
                 # llama.cpp's or transformers': the runtime's steps with their weights' bytes
                 swapped_bytes: dict[int, list[float]] = {b: [] for b in batches}
-                for b in batches:  # warm-up: first touches, the server's start
-                    for side in (bundled, other):
-                        side.run(prompts[:b], 2, t)
+                for b in batches:  # warm-up: first touches, the server's start (batched-bench warms itself up)
+                    for side in sides:
+                        if not isinstance(side, LlamaBatchedBenchSide):
+                            side.run(prompts[:b], 2, t)
                 def probe() -> float:
                     torch.set_num_threads(t)
                     readers.append(read_bandwidth_by_reader())
@@ -444,60 +457,73 @@ def bench_engine(
 
                 for round_ in range(repeats):
                     for b in batches:
-                        order = (bundled, other) if (round_ + b) % 2 == 0 else (other, bundled)
+                        shift = (round_ + b) % len(sides)  # each engine goes first in turn
+                        order = sides[shift:] + sides[:shift]
                         before = probe()
                         for side in order:
-                            short_s, _ = side.run(prompts[:b], 1, t)
-                            long_s, tokens = side.run(prompts[:b], new_tokens, t)
+                            if not isinstance(side, LlamaBatchedBenchSide):
+                                short_s, _ = side.run(prompts[:b], 1, t)
+                                long_s, tokens = side.run(prompts[:b], new_tokens, t)
+                                rate = decode_rate(b, new_tokens, short_s, long_s)
+                            else:  # llama-batched-bench times its own decode steps
+                                rate, tokens = side.decode_rate(b, new_tokens, t), None
                             after = probe()
                             cell = figures[(b, side.name)]
-                            cell["rates"].append(decode_rate(b, new_tokens, short_s, long_s))
+                            cell["rates"].append(rate)
                             cell["bandwidths"].append(max(before, after))
                             cell["tokens"] = tokens
                             if isinstance(side, BundledSide):
                                 bytes_per_step[(b, side.name)].append(decode_bytes_per_step(side.last_steps))
-                            if side is bundled and not isinstance(other, BundledSide):
+                            if side is bundled and not isinstance(others[0], BundledSide):
                                 swapped_bytes[b].append(other_bytes_per_step(side.last_steps, our_weights,
                                                                              their_weights, moe_layers))
                             before = after
                 best = max(max(r.values()) for r in readers)
                 for b in batches:
-                    mine, theirs = figures[(b, bundled.name)], figures[(b, other.name)]
+                    mine = figures[(b, bundled.name)]
                     step_bytes = _median(bytes_per_step[(b, bundled.name)])
                     # the runtime with another LM head counts its own steps; another engine reads the
                     # runtime's steps in its own weights' bytes (other_bytes_per_step)
-                    other_bytes = _median(bytes_per_step[(b, other.name)] if isinstance(other, BundledSide)
+                    other_bytes = _median(bytes_per_step[(b, others[0].name)] if isinstance(others[0], BundledSide)
                                           else swapped_bytes[b])
-                    bandwidth = _median(mine["bandwidths"] + theirs["bandwidths"])
-                    ratios = [m / o for m, o in zip(mine["rates"], theirs["rates"])]
+                    bandwidth = _median([gb for side in sides for gb in figures[(b, side.name)]["bandwidths"]])
+                    ratios = {o.name: [m / r for m, r in zip(mine["rates"], figures[(b, o.name)]["rates"])]
+                              for o in others}
+                    # the ratio that counts is against the faster yardstick, by its median rate
+                    against = max(others, key=lambda o: _or_lowest(_median(figures[(b, o.name)]["rates"]))).name
 
                     def engine_row(cell, step_bytes):
                         fractions = [rate * step_bytes / (b * gb_s * 1e9)
                                      for rate, gb_s in zip(cell["rates"], cell["bandwidths"])]
+                        tokens = cell["tokens"]  # None: llama-batched-bench decodes random tokens
                         return {"bytes_per_step": step_bytes, "decode_tok_s": _median(cell["rates"]), "decode_tok_s_rounds": cell["rates"],
                                 "bandwidth_gb_s_rounds": cell["bandwidths"], "roofline_fraction_rounds": fractions,
                                 "roofline_fraction": _median(fractions),
                                 "roofline_fraction_interval": round_interval(fractions),
                                 "roofline_fraction_of_best_probe": _median(cell["rates"]) * step_bytes / (b * best * 1e9),
-                                "greedy_identical_to_transformers": identical_count(cell["tokens"], reference[:b]),
-                                "first_difference": first_difference(cell["tokens"], reference[:b])}
+                                "greedy_identical_to_transformers": None if tokens is None else identical_count(tokens, reference[:b]),
+                                "first_difference": None if tokens is None else first_difference(tokens, reference[:b])}
 
                     rows.append({
                         "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
                         "best_bandwidth_gb_s": best, "bandwidth_by_reader_probes": readers,
                         "roofline_tok_s": b * bandwidth * 1e9 / step_bytes,
                         **({"other_bytes_per_step": other_bytes} if other_bytes != step_bytes else {}),
-                        "engines": {bundled.name: engine_row(mine, step_bytes), other.name: engine_row(theirs, other_bytes)},
-                        "ratio_median": _median(ratios), "ratio_rounds": ratios,
-                        "ratio_interval": round_interval(ratios),
+                        "engines": {bundled.name: engine_row(mine, step_bytes),
+                                    **{o.name: engine_row(figures[(b, o.name)], other_bytes) for o in others}},
+                        "ratio_median": _median(ratios[against]), "ratio_rounds": ratios[against],
+                        "ratio_interval": round_interval(ratios[against]), "ratio_against": against,
+                        **({"ratios": {name: {"median": _median(r), "rounds": r, "interval": round_interval(r)}
+                                       for name, r in ratios.items()}} if len(others) > 1 else {}),
                     })
         finally:
-            if isinstance(other, LlamaServerSide):
-                other.stop()
+            if server is not None:
+                server.stop()
 
-        weight_note = f"{bundled.name} {dtype if weights == 'f32' else weights}, {other.name} " + (
-            gguf_dtype if isinstance(other, LlamaServerSide) else "f32" if isinstance(other, TransformersSide) else dtype)
-        _print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, other, bundled, weight_note)
+        vs_name = "llama.cpp" if vs == "llama.cpp" else others[0].name
+        weight_note = f"{bundled.name} {dtype if weights == 'f32' else weights}, {vs_name} " + (
+            gguf_dtype if vs == "llama.cpp" else "f32" if isinstance(others[0], TransformersSide) else dtype)
+        print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, others, bundled, weight_note)
         if out is not None:
             from moebench.fileio import atomic_write_json
 
@@ -506,13 +532,15 @@ def bench_engine(
                 "vs": vs, "model": str(model) if model else "random qwen3_moe",
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                 "dtype": dtype, "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
-                "gguf_dtype": gguf_dtype if isinstance(other, LlamaServerSide) else None,
+                "gguf_dtype": gguf_dtype if vs == "llama.cpp" else None, "llama_bench": llama_bench,
                 "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "weights": weights, "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
                 "machine": describe_machine(measure_bandwidth=False),
                 "runtime_evidence": bundled.last_evidence,
-                "llama_server": ({"argv": other.argv, "huge_page_bytes": other.huge_page_bytes}
-                                 if isinstance(other, LlamaServerSide) else None),
+                "llama_server": ({"argv": server.argv, "huge_page_bytes": server.huge_page_bytes}
+                                 if server is not None else None),
+                "llama_batched_bench": ({"argv": batched_bench.argv, "huge_page_bytes": batched_bench.huge_page_bytes,
+                                         "runs": batched_bench.runs} if batched_bench is not None else None),
                 "rows": rows,
             }
             atomic_write_json(out, manifest)
@@ -530,46 +558,3 @@ def default_thread_count() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _print_table(console: Console, rows: list[dict], ckpt, prompt_len: int, new_tokens: int, repeats: int,
-                 other, bundled, weights: str) -> None:
-    table = Table(title=f"decode tok/s (median of {repeats} interleaved rounds), {ckpt.num_params / 1e9:.2f}B params, "
-                        f"prompt {prompt_len}, {new_tokens} new tokens, greedy; weights: {weights}")
-    for col in ("threads", "batch", bundled.name, other.name, "ratio", f"{bundled.name} MB/step",
-                f"{other.name} MB/step", "read GB/s", f"{bundled.name} roofline",
-                f"{bundled.name} % roof", f"{other.name} % roof", "greedy = transformers"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        mine, theirs = r["engines"][bundled.name], r["engines"][other.name]
-        table.add_row(
-            str(r["threads"]), str(r["batch"]), f"{mine['decode_tok_s']:.1f}", f"{theirs['decode_tok_s']:.1f}",
-            f"{r['ratio_median']:.2f}x", f"{r['bytes_per_step'] / 1e6:.0f}", f"{theirs['bytes_per_step'] / 1e6:.0f}",
-            f"{r['bandwidth_gb_s']:.1f}",
-            f"{r['roofline_tok_s']:.1f}", f"{mine['roofline_fraction']:.0%}", f"{theirs['roofline_fraction']:.0%}",
-            f"{mine['greedy_identical_to_transformers']}/{r['batch']}, {theirs['greedy_identical_to_transformers']}/{r['batch']}")
-    console.print(table)
-    console.print("read GB/s: median of the probes taken beside the timed runs; % roof: median over rounds of each "
-                  "run's rate against the probes just before and after it. Against the run's best probe: " + "; ".join(
-                      f"{r['threads']}t b{r['batch']} {r['engines'][bundled.name]['roofline_fraction_of_best_probe']:.0%}"
-                      f" / {r['engines'][other.name]['roofline_fraction_of_best_probe']:.0%}"
-                      f" ({r['best_bandwidth_gb_s']:.1f} GB/s)" for r in rows) + f" ({bundled.name} / {other.name})")
-    if repeats >= 2:
-        console.print(f"95% intervals over the {repeats} rounds (Student t on the logs of the per-round values; "
-                      "geometric mean [low, high]): " + "; ".join(
-                          f"{r['threads']}t b{r['batch']} ratio {interval_text(r['ratio_interval'], 'x')}, "
-                          f"{bundled.name} % roof {interval_text(r['engines'][bundled.name]['roofline_fraction_interval'], '%')}"
-                          for r in rows), markup=False)  # "[low, high]" is text, not a style tag
-    if isinstance(other, LlamaServerSide):
-        pages = ", ".join(f"{t} threads: {b / 2**30:.2f} GiB" for t, b in sorted(other.huge_page_bytes.items()))
-        console.print(f"llama-server in huge pages (AnonHugePages): {pages}; argv: {' '.join(other.argv[3:])}")
-
-
-def interval_text(interval: dict, unit: str) -> str:
-    """A round_interval as "geomean [low, high]", unit "x" (ratios) or "%" (fractions)."""
-    if interval["ci95"] is None:
-        return "n/a"
-    values = [interval["geomean"], *interval["ci95"]]
-    if unit == "%":
-        return "{:.0%} [{:.0%}, {:.0%}]".format(*values)
-    return "{:.2f}x [{:.2f}, {:.2f}]".format(*values)
