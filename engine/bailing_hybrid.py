@@ -41,6 +41,7 @@ from moebench.engine.linear_state import HybridCache, StateBlockManager
 from moebench.engine.memory import to_huge_pages
 from moebench.engine.model import ForwardBatch, RotaryEmbedding, rms_norm
 from moebench.errors import MoebenchError
+from moebench.kernels import route
 from moebench.kernels.cpu_dense import linear
 
 FAMILY = "bailing_hybrid"
@@ -349,8 +350,6 @@ class HybridTransformer:
         self.kda_dim = cfg.kda_heads * cfg.kda_head_dim
 
     def route(self, x, layer_idx: int):
-        from moebench.kernels import route
-
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
         logits = F.linear(x.float(), w.router)
         weights, ids = route(logits, cfg.top_k, cfg.norm_topk_prob, scoring="sigmoid",

@@ -4,7 +4,7 @@ The decode path is an axis of its own, the CPU counterpart of what CUDA graphs a
 SGLang (`--enforce-eager`, `--disable-cuda-graph`). It never depends on the MoE kernel, the
 scheduler or the prefetcher, so flipping any of those switches leaves it as it was:
 
-- `chained`: the extension's step ops (kernels/csrc/attention_cpu.cpp), a decode step's attention
+- `chained`: the extension's step ops (kernels/csrc/decode_layer.cpp), a decode step's attention
   sub-layer and router each one native call, layer by layer; the MoE op, whichever the `kernel`
   switch chose, is called from Python between them. The step's parallel work runs on the
   extension's thread pool and torch's own on one thread (kernels/cpu_dense.decode_threads), for

@@ -16,11 +16,10 @@ import torch.nn.functional as F
 from moebench.engine import decode_path
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
-from moebench.kernels import cpu_dense
+from moebench.kernels import cpu_dense, route
 from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.cpu_dense import linear
-from moebench.kernels.reference import route_softmax_topk
 from moebench.errors import MoebenchError
 
 
@@ -164,8 +163,9 @@ class MoeTransformer:
     and returns h + its output.
 
     On the CPU in float32 the small ops of a step run in the C++ extension (kernels/csrc/
-    attention_cpu.cpp) where it is built: residual add + RMSNorm in one call, a decode step's
-    attention from the qkv projection to the output projection in one call, the router's top-k.
+    norms_cpu.cpp, attention_cpu.cpp) where it is built: residual add + RMSNorm in one call, a decode
+    step's attention from the qkv projection to the output projection in one call. The router's top-k
+    is `kernels.route`'s choice (the extension's on the CPU in float32, routing_cpu.cpp).
     Each computes exactly what the torch ops it replaces compute (tests compare bit for bit):
     softmax stays torch's own, the RMSNorm mean is summed in torch's order. Projections of a decode
     step's few rows (qkv, output, router) go through `kernels.cpu_dense.linear` on both paths: a
@@ -346,12 +346,7 @@ class MoeTransformer:
         if self.decode_chains and cpu_dense.rows_stream(x):
             cpu_dense.count_chained(1)  # the projection, softmax and top-k below in one native call
             return self.ops.route_decode(x.contiguous(), router, cfg.top_k, cfg.norm_topk_prob)
-        logits = linear(x, router)
-        # route_softmax_topk's softmax, then its stable top-k and renormalization in one call (the
-        # renormalization sums in torch's order for this shape, or is torch's own where none reproduces it)
-        if self.ops is not None and logits.dtype == torch.float32:
-            return self.ops.route_topk(torch.softmax(logits, dim=-1), cfg.top_k, cfg.norm_topk_prob)
-        weights, ids = route_softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+        weights, ids = route(linear(x, router), cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
 
     @torch.inference_mode()
@@ -468,7 +463,7 @@ class MoeTransformer:
         return self._weights.evidence()
 
 
-STEP_OPS = ("add_rms_norm", "decode_attention_block", "route_topk")
+STEP_OPS = ("add_rms_norm", "decode_attention_block")
 DECODE_CHAINS_ENV = "MOEBENCH_DECODE_CHAINS"
 
 

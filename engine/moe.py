@@ -16,6 +16,8 @@ import torch
 
 from moebench.engine.fallbacks import ALLOW_FALLBACK_ENV, fallback_allowed
 from moebench.engine.routing_stats import RoutingStats
+from moebench.kernels import BACKEND_TRITON, fused_moe
+from moebench.kernels.cpu_moe import BACKEND_CPP, BACKEND_LOOP, BACKEND_TORCH, cpp_kernel_takes, cpu_backend
 
 
 class MoeKernel:
@@ -52,20 +54,11 @@ class FusedMoe(MoeKernel):
         self.backends: dict[str, int] = {}  # implementation -> calls it computed
 
     def compute(self, x, topk_weights, topk_ids, w13, w2):
-        if x.is_cuda:
-            from moebench.kernels import fused_moe_triton
-
-            self.backends["triton"] = self.backends.get("triton", 0) + 1
-            return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
-        from moebench.kernels.cpu_moe import fused_moe_cpu
-
-        return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2, self.backends)
+        return fused_moe(x, topk_weights, topk_ids, w13, w2, self.backends)
 
     def count_native_calls(self, calls: int) -> None:
         """`calls` MoE layers ran the C++ kernel inside one native call of a decode step's layers
         (engine/model.py, MoeTransformer.native_decode_layers)."""
-        from moebench.kernels.cpu_moe import BACKEND_CPP
-
         self.calls += calls
         self.backends[BACKEND_CPP] = self.backends.get(BACKEND_CPP, 0) + calls
 
@@ -76,9 +69,7 @@ class FusedMoe(MoeKernel):
 
 def allowed_fused_backends() -> set[str]:
     """The implementations a fused run may use without failing activation."""
-    from moebench.kernels.cpu_moe import BACKEND_CPP, BACKEND_LOOP, BACKEND_TORCH
-
-    allowed = {BACKEND_CPP, "triton"}
+    allowed = {BACKEND_CPP, BACKEND_TRITON}
     if os.environ.get("MOEBENCH_CPU_KERNEL") == "torch":  # the user chose the torch path
         allowed.add(BACKEND_TORCH)
     if fallback_allowed():
@@ -130,14 +121,13 @@ class MoeBlock:
         prefetcher, so that between layers the store and the prefetcher have nothing to do but count
         (`ran_natively`). Else None."""
         from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
-        from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
 
         if not (type(self.kernel) is FusedMoe and type(self.store) is ResidentStore
                 and type(self.prefetcher) is NoPrefetch and cpu_backend() == BACKEND_CPP):
             return None
-        weights = [w for pair in self.store.experts.values() for w in pair]
-        if not all(w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.int8) and w.stride(-1) == 1
-                   and w.dtype == weights[0].dtype for w in weights):
+        pairs = list(self.store.experts.values())
+        if not all(cpp_kernel_takes(w13, w2) and w13.dtype == pairs[0][0].dtype and w13.stride(-1) == w2.stride(-1) == 1
+                   for w13, w2 in pairs):
             return None
         return self.store.experts
 

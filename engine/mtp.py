@@ -36,9 +36,9 @@ from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import LayerWeights, TensorIndex, _expert_names
 from moebench.errors import MoebenchError
 from moebench.kernels.cpu_attention import paged_decode_attention, paged_decode_attention_reference
-from moebench.kernels import cpu_dense
+from moebench.kernels import cpu_dense, route
 from moebench.kernels.cpu_dense import linear
-from moebench.kernels.reference import moe_reference, route_softmax_topk
+from moebench.kernels.reference import moe_reference
 
 CONFIG_FIELD = "num_nextn_predict_layers"  # DeepSeek-V3's (transformers' and SGLang's name for it)
 
@@ -218,7 +218,7 @@ class MtpHead:
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         b, cfg = self.w.block, self.cfg
         if b.router is not None:
-            weights, ids = route_softmax_topk(linear(h, b.router), cfg.top_k, cfg.norm_topk_prob)
+            weights, ids = route(linear(h, b.router), cfg.top_k, cfg.norm_topk_prob)
             return moe_reference(h, weights.to(h.dtype), ids, b.w13, b.w2)
         gate, up = linear(h, b.dense_w13).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, b.dense_w2)

@@ -29,12 +29,14 @@ from torch import Tensor
 from .align import sort_by_expert
 from .build import Extension, LazyExtension, build_extension
 
-__all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "load_extension"]
+__all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "cpp_kernel_takes", "load_extension"]
 
 log = logging.getLogger("moebench.kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "moe_cpu.cpp"
 CSRC_ATTENTION = CSRC.with_name("attention_cpu.cpp")  # paged decode attention, same extension
+CSRC_NORMS = CSRC.with_name("norms_cpu.cpp")  # residual add + RMSNorm, sums in torch's order, same extension
+CSRC_ROUTING = CSRC.with_name("routing_cpu.cpp")  # the router's top-k and routing summary, same extension
 CSRC_DENSE = CSRC.with_name("dense_cpu.cpp")  # the step's thread pool and dense projections, same extension
 CSRC_DECODE_LAYER = CSRC.with_name("decode_layer.cpp")  # chains of the decode step's ops, same extension
 # No contraction of a * b + c into one fused multiply-add where the source does not ask for one
@@ -42,10 +44,12 @@ CSRC_DECODE_LAYER = CSRC.with_name("decode_layer.cpp")  # chains of the decode s
 # on which of a token's experts is added first, i.e. on the slots the expert store happened to pick,
 # and offloaded runs would no longer match resident ones bit for bit.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
-EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attention", (CSRC, CSRC_ATTENTION, CSRC_DENSE, CSRC_DECODE_LAYER),
+EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attention",
+                      (CSRC, CSRC_ATTENTION, CSRC_NORMS, CSRC_ROUTING, CSRC_DENSE, CSRC_DECODE_LAYER),
                       tuple(CFLAGS), (),
                       estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load",
-                      headers=(CSRC.with_name("cpu_common.h"), CSRC.with_name("spin.h")))
+                      headers=(CSRC.with_name("cpu_common.h"), CSRC.with_name("spin.h"),
+                               CSRC.with_name("norms_cpu.h")))
 
 BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"
@@ -73,6 +77,17 @@ def cpu_backend() -> str:
     return BACKEND_CPP if load_extension() is not None else BACKEND_TORCH
 
 
+# The expert weights the C++ kernel streams (int8: rows that carry their scale, --weights int8);
+# w13 and w2 of one dtype.
+CPP_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def cpp_kernel_takes(w13: Tensor, w2: Tensor) -> bool:
+    """Whether the C++ kernel computes with these expert weights as they are (CPU tensors of one dtype
+    it streams); other weights take the torch fallback. Says nothing of whether the extension built."""
+    return w13.device.type == "cpu" and w13.dtype == w2.dtype and w13.dtype in CPP_WEIGHT_DTYPES
+
+
 def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
                   backends: dict | None = None) -> Tensor:
     """Fused SwiGLU MoE on CPU. x [N, H]; topk_weights/topk_ids [N, k]; w13 [E, 2I, H]; w2 [E, H, I].
@@ -84,12 +99,7 @@ def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor
     from the grouped one to a per-expert loop (the activation evidence of kernel=fused).
     """
     ext = load_extension()
-    if (
-        ext is not None
-        and w13.dtype == w2.dtype
-        and w13.dtype in (torch.float32, torch.bfloat16, torch.int8)
-        and x.dtype in (torch.float32, torch.bfloat16)
-    ):
+    if ext is not None and cpp_kernel_takes(w13, w2) and x.dtype in (torch.float32, torch.bfloat16):
         xf = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
         if w13.stride(-1) != 1:
             w13 = w13.contiguous()

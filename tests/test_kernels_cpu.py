@@ -8,7 +8,7 @@ import torch
 
 from moebench.kernels import cpu_backend, fused_moe, fused_moe_cpu, moe_reference, route_softmax_topk
 from moebench.kernels.build import find_ninja
-from moebench.kernels.cpu_moe import BACKEND_CPP, fused_moe_cpu_torch, load_extension
+from moebench.kernels.cpu_moe import BACKEND_CPP, BACKEND_TORCH, fused_moe_cpu_torch, load_extension
 
 TOKENS = [1, 3, 17, 64]
 EXPERTS = [7, 16, 60]
@@ -202,3 +202,40 @@ def test_slot_order_does_not_change_bits(kernel, dtype, k):
     slot_of[perm] = torch.arange(E)
     moe = {"fused": fused_moe_cpu, "torch": fused_moe_cpu_torch, "naive": moe_reference}[kernel]
     assert torch.equal(moe(x, weights, ids, w13, w2), moe(x, weights, slot_of[ids], w13[perm], w2[perm]))
+
+
+def test_fused_moe_counts_the_implementation_that_computed_each_call():
+    """`fused_moe` is the one dispatcher of the fused op: it says which implementation ran each call
+    (the engine's activation evidence), the C++ kernel where it takes the weights, else the fallback."""
+    x, weights, ids, w13, w2 = make_case(3, 7, 2, 16, 8, seed=5)
+    backends = {}
+    fused_moe(x, weights, ids, w13, w2, backends=backends)
+    assert backends == {cpu_backend(): 1}
+    fused_moe(x.half(), weights, ids, w13.half(), w2.half(), backends=backends)  # not a dtype the C++ kernel takes
+    assert backends.get(BACKEND_TORCH) == 1 and sum(backends.values()) >= 2
+
+
+@pytest.mark.parametrize("k,renormalize", [(1, True), (2, True), (3, True), (8, True), (3, False)])
+def test_route_on_cpu_is_the_reference_bit_for_bit(monkeypatch, k, renormalize):
+    """`route` is the one dispatcher of the router: on CPU float32 logits it runs the extension's top-k,
+    which gives the reference's weights and ids bit for bit; other dtypes run the reference."""
+    from moebench.kernels import cpu_routing, route
+
+    ext = load_extension()
+    if ext is None:
+        pytest.skip("the CPU extension is not available")
+    calls = []
+
+    class Counting:
+        def route_topk(self, *args):
+            calls.append(args[1])
+            return ext.route_topk(*args)
+
+    monkeypatch.setattr(cpu_routing, "load_extension", lambda: Counting())
+    logits = torch.randn(17, 60, generator=torch.Generator().manual_seed(k))
+    logits[:, 5] = logits[:, 9]  # ties go to the lower index
+    w, ids = route(logits, k, renormalize)
+    expect_w, expect_ids = route_softmax_topk(logits, k, renormalize)
+    assert calls == [k] and torch.equal(ids, expect_ids) and torch.equal(w, expect_w)
+    w, ids = route(logits.bfloat16(), k, renormalize)
+    assert calls == [k] and torch.equal(ids, route_softmax_topk(logits.bfloat16(), k, renormalize)[1])

@@ -1,4 +1,5 @@
-"""The extension's small decode-step ops (kernels/csrc/attention_cpu.cpp) compute exactly what the
+"""The extension's small decode-step ops (kernels/csrc/norms_cpu.cpp, attention_cpu.cpp,
+routing_cpu.cpp) compute exactly what the
 torch ops they replace compute: each op against its torch counterpart bit for bit, then whole
 forward passes (prefill, decode, mixed steps) with and without them, and with their chains
 (kernels/csrc/decode_layer.cpp) against the same ops called one by one. Routing statistics counted
@@ -16,6 +17,7 @@ from moebench.engine.kv_cache import KVCache
 from moebench.engine.model import MoeTransformer, RotaryEmbedding, build_forward_batch, cpu_step_ops, rms_norm
 from moebench.engine.moe import MoeBlock, make_kernel
 from moebench.engine.routing_stats import RoutingStats
+from moebench.kernels import cpu_routing
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.reference import route_softmax_topk
 from tiny_models import make_tiny_checkpoint
@@ -164,6 +166,8 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
     monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1" if chains else "0")
     model = MoeTransformer(ckpt, None)
     monkeypatch.undo()
+    if not use_ops:  # the router's top-k as where the extension is not built: the torch reference
+        monkeypatch.setattr(cpu_routing, "load_extension", lambda: None)
     assert (model.ops is not None) == use_ops
     if use_ops and chains and all(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers))):
         model.decode_path = decide_decode_path("native", model)  # a decode step's layers in one call
@@ -206,6 +210,7 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
         calls["recorded"] = (routing, stats.load.tolist(), {k: v for k, v in stats.last_topk.items()},
                              kernel.evidence(), store.counters.total, model.attention_backends)
         calls["decode_steps"] = model.decode_steps
+    monkeypatch.undo()
     return out
 
 

@@ -4,8 +4,9 @@
 // and runs SDPA: several passes over the context and a dozen ops per layer. Here each
 // (sequence, query head) reads its keys and values straight from the pool through the block
 // table, with a two-pass softmax (all scores first, then their max and one vectorised exp over
-// them; not flash attention's online softmax), and writes its output row. Work items are (sequence, kv head) pairs: the query heads sharing a kv head
-// (GQA) reuse each key and value row while it is in L1.
+// them; not flash attention's online softmax), and writes its output row. Work items are
+// (sequence, kv head) pairs: the query heads sharing a kv head (GQA) reuse each key and value row
+// while it is in L1.
 //
 // Inputs (float32, last dimension contiguous):
 //   q       [B, H, D]                    the new token's queries, RoPE applied
@@ -18,24 +19,22 @@
 // `decode_attention_block` does a decode step's whole attention between the qkv projection and
 // the output projection in one call: q/k RMSNorm (Qwen3), RoPE, the K/V write into the pool and
 // the attention above. Every elementwise step computes what the torch ops it replaces compute,
-// rounding for rounding (no fused multiply-add where torch rounds a product first); the one
-// reduction (the mean of squares of RMSNorm) adds in torch's order, checked against torch's own
-// mean for each row length before it is used. `add_rms_norm` is the
-// residual add plus RMSNorm the same way. Those small ops are bit-identical to the torch path's;
-// the attention itself matches SDPA to ~1e-6, not bit for bit (its sums run in another order).
+// rounding for rounding (no fused multiply-add where torch rounds a product first), and the q/k
+// RMSNorm is norms_cpu.cpp's, bit-identical to torch's. The attention itself matches SDPA to
+// ~1e-6, not bit for bit (its sums run in another order).
 
 #include "cpu_common.h"
+#include "norms_cpu.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <vector>
 
 namespace {
 
+using moebench_cpu::mean_of_squares;
+using moebench_cpu::normalize_row;
 using moebench_cpu::parallel_for;
 
 // ---- the attention of one (sequence, kv head) item -------------------------------------
@@ -44,10 +43,9 @@ using moebench_cpu::parallel_for;
 // at once (8 independent chains, summed lane-wise after a transpose). Then the softmax in two
 // passes over the scores, not online: their max, then every exp(s - max) 8 at a time with a
 // polynomial exp (within 2 ulp of std::exp), instead of the online form's position-by-position
-// chain of scalar exps (13 -> 10.8 us per sequence and layer on the bundled model's shapes, 16
-// sequences of 200 positions), then the weighted sum of value rows kept in registers. Each sequence's result
-// depends on its own rows only, never on the batch it runs in. It matches the torch reference
-// (SDPA) to ~1e-6, not bit for bit.
+// chain of scalar exps, which was the bottleneck (docs/kernels.md), then the weighted sum of value
+// rows kept in registers. Each sequence's result depends on its own rows only, never on the batch
+// it runs in. It matches the torch reference (SDPA) to ~1e-6, not bit for bit.
 
 // out[j] = lane j of (r + a0[j]... ): the lane-ordered sums of 8 accumulators, as a vector.
 inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
@@ -267,241 +265,11 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
                         k.stride(0), k.stride(1), static_cast<float>(scale), window, threads);
 }
 
-// ---- RMSNorm's mean of squares, summed in torch's order -----------------------------------
-//
-// torch's CPU sum of a contiguous row (SumKernel.cpp) adds in a fixed order: the row is read as
-// vectors of V floats; vector i goes to chain i % 4 (four independent accumulators, each a
-// cascade of partial sums over blocks of 16+ vectors), leftover vectors to chain 0, the chains
-// are folded 0 + 1 + 2 + 3, then the scalar tail is summed into a float that the V lanes are
-// added to in order. Rows shorter than V are summed as scalars with the same four chains. The
-// mean divides that sum by the row length. `sum_torch_order<V, square>` reproduces this order.
-// V is whatever torch's build dispatches to (8 floats on AVX2 here); rather than assume it, each
-// row length is calibrated once against torch's own pow + mean on random rows, and a length
-// that matches no candidate keeps calling torch's mean.
-
-constexpr int kChains = 4, kLevels = 4;
-
-inline int64_t ceil_log2(int64_t v) {
-  int64_t r = 0;
-  while ((int64_t(1) << r) < v) ++r;
-  return r;
-}
-
-}  // namespace (reopened below: the summation must not be contracted either)
+// RoPE must round exactly as torch's ops do: no contraction of a product and a sum into one fused
+// multiply-add. Not inlined, so that the setting holds for it wherever it is called from (and the
+// attention loop above keeps its own).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-namespace {
-
-// Chains of W-wide elements: element e of chain c is elem(e * kChains + c). acc[c] gets the
-// chain's sum, accumulated level by level as torch's multi_row_sum does.
-template <int W, typename Elem>
-void chain_sums(const Elem& elem, int64_t size, float (*out)[W]) {
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
-  const int64_t level_step = int64_t(1) << level_power;
-  const int64_t level_mask = level_step - 1;
-  float acc[kLevels][kChains][W] = {};
-  float v[W];
-  int64_t i = 0;
-  for (; i + level_step <= size;) {
-    for (int64_t j = 0; j < level_step; ++j, ++i)
-      for (int c = 0; c < kChains; ++c) {
-        elem(i * kChains + c, v);
-        for (int l = 0; l < W; ++l) acc[0][c][l] = acc[0][c][l] + v[l];
-      }
-    for (int j = 1; j < kLevels; ++j) {
-      for (int c = 0; c < kChains; ++c)
-        for (int l = 0; l < W; ++l) {
-          acc[j][c][l] = acc[j][c][l] + acc[j - 1][c][l];
-          acc[j - 1][c][l] = 0.0f;
-        }
-      if ((i & (level_mask << (j * level_power))) != 0) break;
-    }
-  }
-  for (; i < size; ++i)
-    for (int c = 0; c < kChains; ++c) {
-      elem(i * kChains + c, v);
-      for (int l = 0; l < W; ++l) acc[0][c][l] = acc[0][c][l] + v[l];
-    }
-  for (int j = 1; j < kLevels; ++j)
-    for (int c = 0; c < kChains; ++c)
-      for (int l = 0; l < W; ++l) acc[0][c][l] = acc[0][c][l] + acc[j][c][l];
-  for (int c = 0; c < kChains; ++c)
-    for (int l = 0; l < W; ++l) out[c][l] = acc[0][c][l];
-}
-
-// torch's row_sum: chains over the first size / 4 * 4 elements, the rest into chain 0, then fold.
-template <int W, typename Elem>
-void row_sum(const Elem& elem, int64_t size, float* out) {
-  float chains[kChains][W] = {};
-  const int64_t size_ilp = size / kChains;
-  if (size_ilp > 0) chain_sums<W>(elem, size_ilp, chains);
-  float v[W];
-  for (int64_t i = size_ilp * kChains; i < size; ++i) {
-    elem(i, v);
-    for (int l = 0; l < W; ++l) chains[0][l] = chains[0][l] + v[l];
-  }
-  for (int c = 1; c < kChains; ++c)
-    for (int l = 0; l < W; ++l) chains[0][l] = chains[0][l] + chains[c][l];
-  for (int l = 0; l < W; ++l) out[l] = chains[0][l];
-}
-
-template <int V, bool Square>
-__attribute__((noinline)) float sum_torch_order(const float* x, int64_t n) {
-  auto value = [x](int64_t i) { return Square ? x[i] * x[i] : x[i]; };
-  if (n < V) {
-    float r;
-    row_sum<1>([&value](int64_t i, float* v) { v[0] = value(i); }, n, &r);
-    return 0.0f + r;
-  }
-  const int64_t vectors = n / V;
-  float lanes[V];
-  row_sum<V>(
-      [&value](int64_t i, float* v) {
-        for (int l = 0; l < V; ++l) v[l] = value(i * V + l);
-      },
-      vectors, lanes);
-  float total = 0.0f;
-  for (int64_t k = vectors * V; k < n; ++k) total = total + value(k);
-  for (int l = 0; l < V; ++l) total = total + lanes[l];
-  return 0.0f + total;
-}
-
-}  // namespace
-#pragma GCC pop_options
-namespace {
-
-using SumFn = float (*)(const float*, int64_t);
-
-// The first torch-order sum candidate (8, 16, then 4 lanes; of squares with `square`) for which
-// reproduces(candidate) holds, or nullptr when none does.
-template <class Reproduces>
-SumFn first_reproducing(bool square, Reproduces reproduces) {
-  const SumFn candidates[] = {square ? &sum_torch_order<8, true> : &sum_torch_order<8, false>,
-                              square ? &sum_torch_order<16, true> : &sum_torch_order<16, false>,
-                              square ? &sum_torch_order<4, true> : &sum_torch_order<4, false>};
-  for (SumFn candidate : candidates)
-    if (reproduces(candidate)) return candidate;
-  return nullptr;
-}
-
-// The torch-order sum that reproduces torch's mean over rows of length D (of the squares with
-// `square`, as pow(x, 2).mean(-1)), or nullptr when no candidate does. Calibrated once per
-// length on rows of widely ranging values, where different orders disagree.
-SumFn calibrated_sum(int64_t D, bool square) {
-  static std::mutex mutex;
-  static std::map<std::pair<int64_t, bool>, SumFn> chosen;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = chosen.find({D, square});
-  if (it != chosen.end()) return it->second;
-  const int64_t R = 64;
-  auto x = torch::empty({R, D}, torch::kFloat32);
-  float* xp = x.data_ptr<float>();
-  uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(D);
-  for (int64_t i = 0; i < R * D; ++i) {  // mantissas and exponents spread wide
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    const float u = static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f - 0.5f;
-    xp[i] = std::ldexp(u, static_cast<int>((state >> 20) % 24) - 12);
-  }
-  auto expect = (square ? at::pow(x, 2) : x).mean({-1}, /*keepdim=*/true).contiguous();
-  const float* ep = expect.data_ptr<float>();
-  const SumFn result = first_reproducing(square, [&](SumFn candidate) {
-    for (int64_t r = 0; r < R; ++r) {
-      const float mine = candidate(xp + r * D, D) / static_cast<float>(D);
-      if (std::memcmp(&mine, ep + r, sizeof(float)) != 0) return false;
-    }
-    return true;
-  });
-  chosen[{D, square}] = result;
-  return result;
-}
-
-// The torch-order sum that reproduces torch's x.sum(-1) over the rows of an [N, k] float32 tensor,
-// or nullptr when no candidate does. A reduction's order can depend on the tensor's shape, not only
-// the row length, so it is calibrated per (k, N), on descending positive rows of widely ranging
-// values (the top-k weights it sums), and on N rows at once as route_topk gets them.
-SumFn calibrated_row_sum(int64_t k, int64_t N) {
-  static std::mutex mutex;
-  static std::map<std::pair<int64_t, int64_t>, SumFn> chosen;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = chosen.find({k, N});
-  if (it != chosen.end()) return it->second;
-  const int64_t rounds = std::max<int64_t>(1, 256 / N);
-  auto x = torch::empty({rounds, N, k}, torch::kFloat32);
-  float* xp = x.data_ptr<float>();
-  uint64_t state = 0xD1B54A32D192ED03ull ^ static_cast<uint64_t>(k * 1000 + N);
-  for (int64_t r = 0; r < rounds * N; ++r) {
-    float previous = 1.0f;
-    for (int64_t j = 0; j < k; ++j) {  // descending, each a random fraction of the one before
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      const float u = static_cast<float>((state >> 40) & 0xFFFFFF) / 16777216.0f;
-      previous = previous * (0.05f + 0.95f * u);
-      xp[r * k + j] = previous;
-    }
-  }
-  // torch's sums of N rows at once, as route_topk's caller would take them, round by round
-  std::vector<float> expect(static_cast<size_t>(rounds * N));
-  for (int64_t r = 0; r < rounds; ++r) {
-    auto sums = x[r].sum({-1}, /*keepdim=*/true).contiguous();
-    std::memcpy(expect.data() + r * N, sums.data_ptr<float>(), sizeof(float) * N);
-  }
-  const SumFn result = first_reproducing(false, [&](SumFn candidate) {
-    for (int64_t i = 0; i < rounds * N; ++i) {
-      const float mine = candidate(xp + i * k, k);
-      if (std::memcmp(&mine, &expect[i], sizeof(float)) != 0) return false;
-    }
-    return true;
-  });
-  chosen[{k, N}] = result;
-  return result;
-}
-
-// Whether route_topk renormalizes N rows of k weights in its own loop (else it calls torch's
-// weights / weights.sum(-1) for them): the summation order is reproduced for this shape.
-bool topk_sum_matches_torch(int64_t k, int64_t N) { return k <= 2 || calibrated_row_sum(k, N) != nullptr; }
-
-// Lanes of the torch-order sum of squares for rows of length D (0: torch's mean is called instead).
-int64_t rms_sum_width(int64_t D) {
-  const SumFn sum = calibrated_sum(D, true);
-  return sum == &sum_torch_order<8, true> ? 8 : sum == &sum_torch_order<16, true> ? 16
-                                               : sum == &sum_torch_order<4, true> ? 4 : 0;
-}
-
-// torch's float32 mean of x[0:n], as a contiguous tensor's mean() gives it.
-float mean_torch_order(const float* x, int64_t n) {
-  const bool split_row = n >= 32768 && at::get_num_threads() > 1;  // see mean_of_squares
-  if (SumFn sum = split_row ? nullptr : calibrated_sum(n, false)) return sum(x, n) / static_cast<float>(n);
-  return torch::from_blob(const_cast<float*>(x), {n}, torch::kFloat32).mean().item<float>();
-}
-
-// Mean of squares of each of R rows of x (row r at x + r * ld, D values): as torch's
-// x.pow(2).mean(-1) gives it, into out[R].
-void mean_of_squares(const float* x, int64_t R, int64_t D, int64_t ld, float* out) {
-  // torch splits one long row over threads (a single output of 32768+ values): not this order
-  const bool split_row = R == 1 && D >= 32768 && at::get_num_threads() > 1;
-  if (SumFn sum = split_row ? nullptr : calibrated_sum(D, true)) {
-    const float d = static_cast<float>(D);
-    for (int64_t r = 0; r < R; ++r) out[r] = sum(x + r * ld, D) / d;
-    return;
-  }
-  auto sq = torch::empty({R, D}, torch::kFloat32);
-  float* s = sq.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) s[r * D + d] = x[r * ld + d] * x[r * ld + d];
-  auto ms = at::mean(sq, {-1}).contiguous();
-  std::copy(ms.data_ptr<float>(), ms.data_ptr<float>() + R, out);
-}
-
-// The elementwise steps below must round exactly as torch's ops do: no contraction of a product
-// and a sum into one fused multiply-add. Not inlined, so that the setting holds for them wherever
-// they are called from (and the attention loop above keeps its own).
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-
-// out = (x * (1 / sqrt(ms + eps))) * w: F.rms_norm's float32 steps (add eps, rsqrt, two products).
-__attribute__((noinline)) void normalize_row(const float* x, float ms, float eps, const float* w, float* out, int64_t D) {
-  const float r = 1.0f / std::sqrt(ms + eps);
-  for (int64_t d = 0; d < D; ++d) out[d] = (x[d] * r) * w[d];
-}
 
 // RoPE, rotate-half: out = x * cos + cat(-x2, x1) * sin, each product rounded, then the sum.
 __attribute__((noinline)) void rope_row(const float* x, const float* c, const float* s, float* out, int64_t D) {
@@ -516,10 +284,6 @@ __attribute__((noinline)) void rope_row(const float* x, const float* c, const fl
     const float b = x[d - half] * s[d];
     out[d] = a + b;
   }
-}
-
-__attribute__((noinline)) void add_rows(float* h, const float* delta, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) h[i] = h[i] + delta[i];
 }
 
 #pragma GCC pop_options
@@ -639,138 +403,9 @@ void decode_attention_into(const DecodeIndex& index, const float* x, int64_t ld,
                         moebench_cpu::step_threads());
 }
 
-// h += delta (when given), then RMSNorm of h with weight w: h + delta and F.rms_norm as torch
-// computes them. h [N, D] float32 contiguous is updated in place; returns the normalized [N, D].
-torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat32 && h.is_contiguous(),
-              "add_rms_norm: h must be a contiguous float32 [N, D] tensor");
-  const int64_t N = h.size(0), D = h.size(1);
-  auto wc = w.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(wc.numel() == D, "add_rms_norm: weight must be [D]");
-  torch::Tensor dc;
-  if (delta.has_value()) {
-    TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == torch::kFloat32,
-                "add_rms_norm: delta must be float32 of h's shape");
-    dc = delta->contiguous();
-  }
-  std::vector<float> ms(N);
-  auto out = torch::empty({N, D}, h.options());
-  add_rms_norm_into(h.data_ptr<float>(), dc.defined() ? dc.data_ptr<float>() : nullptr, wc.data_ptr<float>(), N, D,
-                    static_cast<float>(eps), out.data_ptr<float>(), ms.data());
-  return out;
-}
-
-void add_rms_norm_into(float* h, const float* delta, const float* w, int64_t N, int64_t D, float eps, float* out,
-                       float* ms) {
-  if (delta != nullptr) add_rows(h, delta, N * D);
-  mean_of_squares(h, N, D, D, ms);
-  for (int64_t n = 0; n < N; ++n) normalize_row(h + n * D, ms[n], eps, w, out + n * D, D);
-}
-
-// Softmax router's top-k on probabilities [N, E] float32: the k largest per row, descending,
-// equal values ordered by the lower expert index (a stable descending sort's first k), NaN
-// above every number as torch sorts it. With `renormalize`, each weight is divided by the sum
-// of the row's k weights: for k <= 2 a single rounded addition (any order gives it), beyond in the
-// order torch's sum takes for this shape (calibrated_row_sum), or by torch itself where no order
-// reproduces it.
-std::vector<torch::Tensor> route_topk(torch::Tensor probs, int64_t k, bool renormalize) {
-  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32, "route_topk: probs must be float32 [N, E]");
-  const int64_t N = probs.size(0), E = probs.size(1);
-  TORCH_CHECK(k >= 1 && k <= E, "route_topk: top_k=", k, " with ", E, " experts");
-  auto p = probs.contiguous();
-  auto weights = torch::empty({N, k}, p.options());
-  auto ids = torch::empty({N, k}, p.options().dtype(torch::kInt64));
-  if (!route_topk_into(p.data_ptr<float>(), N, E, k, renormalize, weights.data_ptr<float>(), ids.data_ptr<int64_t>()))
-    renormalize_by_torch(weights);
-  return {weights, ids};
-}
-
-void renormalize_by_torch(torch::Tensor& weights) {
-  weights.copy_(weights / weights.sum({-1}, /*keepdim=*/true));  // the reference's own ops
-}
-
-bool route_topk_into(const float* pp, int64_t N, int64_t E, int64_t k, bool renormalize, float* wp, int64_t* ip) {
-  const SumFn torch_sum = renormalize && k > 2 ? calibrated_row_sum(k, N) : nullptr;
-  const bool torch_divides = renormalize && k > 2 && torch_sum == nullptr;
-  // a before b in a stable descending sort (NaN counts as the largest value)
-  auto before = [](float a, int64_t ia, float b, int64_t ib) {
-    const bool na = std::isnan(a), nb = std::isnan(b);
-    if (na != nb) return na;
-    if (!na && a != b) return a > b;
-    return ia < ib;
-  };
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = pp + n * E;
-    float* w = wp + n * k;
-    int64_t* id = ip + n * k;
-    int64_t filled = 0;
-    for (int64_t e = 0; e < E; ++e) {  // insertion into the sorted top-k so far
-      if (filled == k && !before(row[e], e, w[k - 1], id[k - 1])) continue;
-      int64_t j = filled < k ? filled++ : k - 1;
-      while (j > 0 && before(row[e], e, w[j - 1], id[j - 1])) {
-        w[j] = w[j - 1];
-        id[j] = id[j - 1];
-        --j;
-      }
-      w[j] = row[e];
-      id[j] = e;
-    }
-    if (renormalize && !torch_divides) {
-      const float sum = torch_sum != nullptr ? torch_sum(w, k) : k == 1 ? w[0] : w[0] + w[1];
-      for (int64_t j = 0; j < k; ++j) w[j] = w[j] / sum;
-    }
-  }
-  return !torch_divides;
-}
-
-// A step's routing summary, as RoutingStats computed it with torch ops: ids[r] [tokens, k] int64
-// are the experts MoE call r chose, for layer layers[r]; load [layers, E] int64 gets each call's
-// per-expert token counts added. Returns (mean over calls of the distinct experts, mean over calls
-// of max count * distinct / tokens routed), float32 values as torch's float32 means give them.
-std::tuple<double, double> routing_step_summary(std::vector<torch::Tensor> ids, std::vector<int64_t> layers,
-                                                torch::Tensor load) {
-  TORCH_CHECK(load.dim() == 2 && load.scalar_type() == torch::kInt64 && load.is_contiguous(),
-              "routing_step_summary: load must be a contiguous int64 [layers, experts] tensor");
-  const int64_t rows = static_cast<int64_t>(ids.size()), E = load.size(1);
-  TORCH_CHECK(rows > 0 && static_cast<int64_t>(layers.size()) == rows,
-              "routing_step_summary: one layer per call, at least one call");
-  std::vector<int64_t> counts(E);
-  std::vector<float> imbalance(rows);
-  int64_t distinct_total = 0;
-  int64_t* lp = load.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(layers[r] >= 0 && layers[r] < load.size(0), "routing_step_summary: layer ", layers[r], " out of range");
-    auto t = ids[r].to(torch::kInt64).contiguous();
-    const int64_t* ip = t.data_ptr<int64_t>();
-    std::fill(counts.begin(), counts.end(), 0);
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "routing_step_summary: expert id ", ip[i], " out of range");
-      ++counts[ip[i]];
-    }
-    int64_t distinct = 0, most = 0, total = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      lp[layers[r] * E + e] += counts[e];
-      distinct += counts[e] > 0;
-      most = std::max(most, counts[e]);
-      total += counts[e];
-    }
-    distinct_total += distinct;
-    // torch: int64 product, true division of int64 tensors in float32
-    imbalance[r] = static_cast<float>(most * distinct) / static_cast<float>(total);
-  }
-  const float distinct_mean = static_cast<float>(distinct_total) / static_cast<float>(rows);  // exact sum of ints
-  return {distinct_mean, mean_torch_order(imbalance.data(), rows)};
-}
-
 void register_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention (one query per sequence) over a paged float32 KV cache");
   m.def("decode_attention_block", &decode_attention_block,
         "A decode step's attention: q/k RMSNorm, RoPE, K/V write, paged attention (float32)");
-  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm of h (float32)");
-  m.def("rms_sum_width", &rms_sum_width, "Lanes of the torch-order RMSNorm sum for rows of length D (0: torch's mean)");
-  m.def("routing_step_summary", &routing_step_summary, "A step's routing counts, load update and summary");
-  m.def("route_topk", &route_topk, "Top-k of router probabilities, ties to the lower index (float32)");
-  m.def("topk_sum_matches_torch", &topk_sum_matches_torch,
-        "Whether route_topk renormalizes N rows of k weights as torch's sum does");
 }

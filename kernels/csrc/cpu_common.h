@@ -83,10 +83,10 @@ inline float hsum(__m256 v) {
 // ---- decode-time dot products: weight rows read as several streams at once ---------------
 //
 // One core following one sequential stream keeps too few cache misses in flight to reach the
-// bandwidth it can get: reading four streams side by side (four runs of rows, each tens of KB or
-// more) streamed 35-45% faster on one core than one row after another (docs/cpu-decode.md). Rows a
-// few KB long read side by side do not help (each ends before a prefetcher has ramped up), hence
-// runs of consecutive rows.
+// bandwidth it can get: four streams read side by side (four runs of rows, each tens of KB or more)
+// stream faster on one core than one row after another (docs/cpu-decode.md, "Rows read as four
+// runs"). Rows a few KB long read side by side do not help (each ends before a prefetcher has
+// ramped up), hence runs of consecutive rows.
 //
 // Each row is summed in one fixed order (RowSum) whatever rows it is read beside, so streaming
 // changed no result: kDense as the dense kernel summed a single row before (two accumulators,
@@ -172,7 +172,7 @@ inline void dot_rows_streamed(Row row, int64_t rows, int64_t tokens, const float
 }  // namespace moebench_cpu
 
 // The decode step's ops that decode_layer.cpp chains into one call each (defined in dense_cpu.cpp,
-// attention_cpu.cpp and moe_cpu.cpp, where their contracts are written).
+// attention_cpu.cpp, norms_cpu.cpp, routing_cpu.cpp and moe_cpu.cpp, where their contracts are written).
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor decode_attention_block(torch::Tensor qkv, c10::optional<torch::Tensor> q_norm,
                                      c10::optional<torch::Tensor> k_norm, double eps, torch::Tensor cos,

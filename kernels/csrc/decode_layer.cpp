@@ -273,7 +273,7 @@ class DecodeLayers {
     return c;
   }
 
-  // A steady clock read costs ~20 ns, against ~100 us for the shortest part of a layer.
+  // A steady clock read is negligible next to the shortest part of a layer (docs/cpu-decode.md).
   enum Part { kQkv, kAttention, kOutput, kNorms, kRouter, kExperts, kLmHead, kParts };
   static constexpr const char* kPartNames[kParts] = {"qkv projection", "attention", "output projection",
                                                       "residual adds and norms", "router", "experts", "LM head"};

@@ -206,8 +206,8 @@ using moebench_cpu::parallel_for;
 // The tokens are read from a packed copy (PackedTokens): rows of x a multiple of 4 KB apart (K =
 // 1024 float32) put every token's chunk in the same few L1 sets, with the weight rows (also 4 KB
 // apart), and the 20 lines a k-step's groups touch there did not fit the 8 ways: with every operand
-// in cache the tile ran at half the core's FMA peak, packed at two thirds (docs/cpu-decode.md, "The
-// tokens packed").
+// in cache the tile ran far below the core's FMA peak, and packed it runs closer to it
+// (docs/cpu-decode.md, "The tokens packed").
 constexpr int64_t kStreamedTokens = 3;   // up to this many tokens: rows read as streams, x as it is
 constexpr int64_t kChunk = 256;          // K values per chunk
 constexpr int64_t kChunkFromTokens = 8;  // fewer tokens: K in one chunk

@@ -10,8 +10,9 @@ namespace {
 // The experts a router is expected to pick for a few tokens: the top `k` of h @ w_t per token,
 // distinct, in token order (each token's surest first). w_t is the router transposed, [H, E], so
 // the inner loop runs over experts and vectorises without reordering any sum. One call instead of
-// a matmul, a top-k and a host copy through the dispatcher, each of which costs ~10 us inside a
-// decode step (its code is cold after the layer's kernel). Large inputs go to ATen's matmul.
+// a matmul, a top-k and a host copy through the dispatcher, each of which costs far more than its
+// arithmetic inside a decode step (its code is cold after the layer's kernel; docs/prefetch.md).
+// Large inputs go to ATen's matmul.
 py::list guess_experts(torch::Tensor h, torch::Tensor w_t, int64_t k) {
   TORCH_CHECK(h.dim() == 2 && w_t.dim() == 2 && h.size(1) == w_t.size(0), "guess_experts: h [B, H], w_t [H, E]");
   TORCH_CHECK(h.scalar_type() == torch::kFloat32 && w_t.scalar_type() == torch::kFloat32, "guess_experts: float32");

@@ -324,7 +324,7 @@ class Loader {
     for (;;) {
       std::shared_ptr<Load> load;
       // One idle worker spins, the rest sleep: spinners share the cores with the model's thread,
-      // and with eight disk readers all spinning the model lost ~10% at batch 1 on 2 cores.
+      // and with eight disk readers all spinning the model slowed down (docs/prefetch.md).
       if (q->spinners.fetch_add(1) == 0) spin_until([&] { return q->takeable(); }, q->spin);
       q->spinners.fetch_sub(1);
       {

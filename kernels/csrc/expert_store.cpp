@@ -158,7 +158,8 @@ class Store {
   // The MoE block's call: the rows holding `ids`' experts, loading what is missing.
   torch::Tensor fetch(int layer, const torch::Tensor& topk_ids) {
     TORCH_CHECK(topk_ids.device().is_cpu(), "the native expert store runs on CPU");
-    // (each ATen call here goes through the dispatcher, ~0.5 us: none where the ids are as they come)
+    // (each ATen call here goes through the dispatcher, a cost a hit should not pay: none where the
+    // ids are as they come; docs/prefetch.md)
     const bool as_is = topk_ids.scalar_type() == torch::kLong && topk_ids.is_contiguous();
     const torch::Tensor ids = as_is ? topk_ids : topk_ids.to(torch::kLong).contiguous();
     const int64_t* id = ids.data_ptr<int64_t>();

@@ -57,7 +57,7 @@ inline float scaled(float sum, const W* row, int64_t K) {
 // pf != 0: while streaming row r, prefetch (into L2) the row `pf` elements further on, i.e. the
 // row the next group will read. Rows are a few KB and read 8 at a time, too short for the
 // hardware prefetchers to ramp up on each; asked for one group ahead, memory is kept busy
-// (bundled-size layer, one token: 20 -> 30 GB/s, docs/cpu-decode.md).
+// (docs/kernels.md).
 template <int R, int T, typename W>
 inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float* out, int64_t pf = 0) {
   __m256 acc[R][T];
@@ -366,8 +366,12 @@ void fused_moe_into(const float* x, int64_t ldx, int64_t N, const float* tw, con
   }
 }
 
-// attention_cpu.cpp, built into the same extension: decode attention and the small decode-step ops
+// attention_cpu.cpp, built into the same extension: decode attention over the paged KV cache
 void register_attention(pybind11::module& m);
+// norms_cpu.cpp: residual add + RMSNorm
+void register_norms(pybind11::module& m);
+// routing_cpu.cpp: the router's top-k and a step's routing summary
+void register_routing(pybind11::module& m);
 // dense_cpu.cpp: the step's thread pool and dense projections for few tokens
 void register_dense(pybind11::module& m);
 // decode_layer.cpp: chains of the decode step's ops, one call each
@@ -376,6 +380,8 @@ void register_decode_layer(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "Fused MoE forward on CPU (float32 activations, float32/bfloat16 weights or int8 rows with their scales)");
   register_attention(m);
+  register_norms(m);
+  register_routing(m);
   register_dense(m);
   register_decode_layer(m);
 }
