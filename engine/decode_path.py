@@ -133,11 +133,6 @@ def native_step_problem(model, runtime, experts_resident: bool = True) -> str | 
     return None
 
 
-def uses_step_pool(model) -> bool:
-    path = getattr(model, "decode_path", None)
-    return path is not None and path.pool
-
-
 def step_threads(model, decode: bool):
     """Around one step's forward of `model`: its decode path's step_threads, where it has one."""
     path = getattr(model, "decode_path", None)
