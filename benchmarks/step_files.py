@@ -1,11 +1,13 @@
 """Which Python files of the package one decode step runs code in, and how many calls each.
 
     python benchmarks/step_files.py [--decode-path native|chained|eager] [--kernel fused|naive]
-                                    [--budget 1.0] [--batch 4]
+                                    [--budget 1.0] [--batch 4] [--functions] [--time-rounds R]
 
 Runs the bundled model, lets a few steps pass, then records every Python function call of the
 package (sys.setprofile) during one decode step of the engine session: the files a reader must
-follow to understand that step (docs/architecture.md lists them).
+follow to understand that step (docs/architecture.md lists them). `--time-rounds R` instead times
+R sessions' decode steps at the full batch, unprofiled (the median step, its forward and the rest),
+to check that a change to the step's Python did not slow it: run it for two trees in turn.
 """
 
 from __future__ import annotations
@@ -54,6 +56,40 @@ def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) 
     return calls, functions, session.evidence()["decode_path"]
 
 
+def time_steps(decode_path: str, kernel: str, budget: float, batch: int, rounds: int) -> dict:
+    """Median milliseconds of a decode step at the full batch over `rounds` sessions of 64-token
+    requests: the whole step (duration_s), its forward (forward_s) and the rest of the step."""
+    import statistics
+
+    import torch
+
+    from moebench.models.bundled import bundled_model_path
+    from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+    from moebench.engine.sequence import Sequence
+
+    ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32, experts_in_checkpoint_dtype=True)
+    rt = RuntimeConfig(kernel=kernel, decode_path=decode_path, expert_budget=budget, batch_size=batch,
+                       max_new_tokens=64, offload_tier="host")
+    engine = Engine(ckpt, None, rt)
+    steps = []
+    for r in range(rounds + 1):  # the first session warms up
+        session = engine.session(80)
+        for i in range(batch):
+            session.add(Sequence(Request(f"r{i}", "", 64), [5 + i + r, 6, 7], 64, time.perf_counter()))
+        records = []
+        while session.has_work():
+            records.append(session.step())
+        session.close()
+        if r:
+            steps += [s for s in records if s["phase"] == "decode" and s["batch_size"] == batch]
+    if not steps:
+        raise SystemExit("no decode step ran at the full batch")
+    ms = lambda xs: statistics.median(xs) * 1000
+    return {"steps": len(steps), "step_ms": ms([s["duration_s"] for s in steps]),
+            "forward_ms": ms([s["forward_s"] for s in steps]),
+            "rest_ms": ms([s["duration_s"] - s["forward_s"] for s in steps])}
+
+
 def _package_dirs() -> list[Path]:
     import moebench
     import moebench.engine
@@ -70,7 +106,13 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--functions", action="store_true", help="also list the functions called in each file")
+    ap.add_argument("--time-rounds", type=int, default=0, help="time decode steps over this many sessions instead")
     args = ap.parse_args(argv)
+    if args.time_rounds:
+        t = time_steps(args.decode_path, args.kernel, args.budget, args.batch, args.time_rounds)
+        print(f"{t['steps']} decode steps at batch {args.batch}: median step {t['step_ms']:.3f} ms, "
+              f"forward {t['forward_ms']:.3f} ms, rest {t['rest_ms']:.3f} ms")
+        return 0
     calls, functions, path = files_of_one_step(args.decode_path, args.kernel, args.budget, args.batch)
     root = Path(__file__).resolve().parents[1]
     print(f"decode path {path['path']} (kernel={args.kernel}, budget {args.budget}, batch {args.batch}): "

@@ -7,7 +7,7 @@ scheduler or the prefetcher, so flipping any of those switches leaves it as it w
 - `chained`: the extension's step ops (kernels/csrc/decode_layer.cpp), a decode step's attention
   sub-layer and router each one native call, layer by layer; the MoE op, whichever the `kernel`
   switch chose, is called from Python between them. The step's parallel work runs on the
-  extension's thread pool and torch's own on one thread (kernels/cpu_dense.decode_threads), for
+  extension's thread pool and torch's own on one thread (decode_threads below), for
   both kernels alike.
 - `native`: the same ops with every layer of a step, from the token ids to the logits, in one C++
   call (DecodeLayers). The MoE op inside that call is the fused C++ kernel on resident experts, so
@@ -22,7 +22,9 @@ says which ran and why.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+
+import torch
 
 from moebench.engine.config import DECODE_PATHS as CHOICES
 from moebench.errors import MoebenchError
@@ -41,7 +43,7 @@ class DecodePath:
         self.chains = chains
         # decode steps by the threads they ran on, "pool=P torch=T", as read inside the step
         self.threads_seen: dict[str, int] = {}
-        self._ext = None
+        self._ext = None  # the extension with the step's thread pool (False: none), looked up on the first step
 
     @property
     def pool(self) -> bool:
@@ -52,15 +54,30 @@ class DecodePath:
     def whole_step(self) -> bool:
         return self.name == "native"
 
-    def observe_threads(self) -> None:
-        import torch
-
-        if self._ext is None:  # looked up once: the step reads the pool's threads through it
+    def pool_extension(self):
+        """The extension whose thread pool the steps use and whose threads they read, or False;
+        looked up once per session, not per step."""
+        if self._ext is None:
             from moebench.kernels.cpu_moe import load_extension
 
             ext = load_extension()
             self._ext = ext if ext is not None and hasattr(ext, "pool_threads") else False
-        pool = self._ext.pool_threads() if self._ext else 0
+        return self._ext
+
+    @contextmanager
+    def step_threads(self, decode: bool):
+        """Around one step's forward: a decode step on a path with the step's thread pool gives the
+        pool torch's threads and torch one (decode_threads); the threads are read inside."""
+        if not decode:
+            yield
+            return
+        ext = self.pool_extension()
+        with decode_threads(ext or None, self.pool):
+            self.observe_threads(ext)
+            yield
+
+    def observe_threads(self, ext) -> None:
+        pool = ext.pool_threads() if ext else 0
         key = f"pool={pool} torch={torch.get_num_threads()}"
         self.threads_seen[key] = self.threads_seen.get(key, 0) + 1
 
@@ -116,18 +133,28 @@ def native_step_problem(model, runtime, experts_resident: bool = True) -> str | 
     return None
 
 
-def uses_step_pool(model) -> bool:
+def step_threads(model, decode: bool):
+    """Around one step's forward of `model`: its decode path's step_threads, where it has one."""
     path = getattr(model, "decode_path", None)
-    return path is not None and path.pool
+    return nullcontext() if path is None else path.step_threads(decode)
 
 
 @contextmanager
-def step_threads(model, decode: bool):
-    """Around one step's forward: a decode step on a path with the step's thread pool gives the pool
-    torch's threads and torch one (kernels/cpu_dense.decode_threads); the threads are read inside."""
-    from moebench.kernels.cpu_dense import decode_threads
-
-    with decode_threads(decode and uses_step_pool(model)):
-        if decode and getattr(model, "decode_path", None) is not None:
-            model.decode_path.observe_threads()
+def decode_threads(ext, enabled: bool = True):
+    """For the duration of a decode step: the step's thread pool (`ext`'s, the C++ extension's) gets
+    torch's thread count and torch itself one thread. A decode step's parallel work (projections,
+    attention, the fused MoE kernel) runs on the pool; torch's ops in it are small. With torch left at
+    two threads, an op that opened an OpenMP team anyway (an argmax over the logits) left libgomp's
+    worker spinning for milliseconds on the core the pool's worker needed (docs/cpu-decode.md).
+    Without the extension, or with one thread, nothing changes."""
+    threads = torch.get_num_threads()
+    if not (enabled and threads > 1 and ext is not None and hasattr(ext, "set_pool_threads")):
         yield
+        return
+    ext.set_pool_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        ext.set_pool_threads(0)

@@ -109,9 +109,16 @@ def non_expert_bytes_per_step(ckpt, element_size: int) -> int:
 def cache_bytes_per_step(cfg, context_tokens: int, num_sequences: int, element_size: int) -> int:
     """Bytes of per-request cache a step reads: K/V of every context token, or for a hybrid model
     the MLA latents of every context token plus each sequence's fixed-size KDA state."""
+    per_token, per_sequence = cache_bytes_rates(cfg, element_size)
+    return context_tokens * per_token + num_sequences * per_sequence
+
+
+def cache_bytes_rates(cfg, element_size: int) -> tuple[int, int]:
+    """(bytes per context token, bytes per sequence) of the cache a step reads: per-model constants,
+    so a session works them out once and each step multiplies (cache_bytes_per_step)."""
     if cfg.family == "bailing_hybrid":
-        latents = context_tokens * len(cfg.mla_layers) * cfg.head_dim * element_size
+        latents = len(cfg.mla_layers) * cfg.head_dim * element_size
         kda_state = 4 * cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim  # float32
         kda_conv = element_size * 3 * cfg.kda_heads * cfg.kda_head_dim * (cfg.conv_kernel - 1)
-        return latents + num_sequences * len(cfg.kda_layers) * (kda_state + kda_conv)
-    return context_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
+        return latents, len(cfg.kda_layers) * (kda_state + kda_conv)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size, 0

@@ -11,7 +11,7 @@ import torch
 
 from moebench.engine.config import RuntimeConfig
 from moebench.engine.store.factory import make_store_and_prefetcher
-from moebench.engine.families import cache_bytes_per_step, make_cache_and_model, non_expert_bytes_per_step
+from moebench.engine.families import cache_bytes_rates, make_cache_and_model, non_expert_bytes_per_step
 from moebench.engine.loader import Checkpoint
 from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
@@ -87,6 +87,7 @@ class Engine:
         self.cfg = ckpt.config
         self.tokenizer = tokenizer
         self.runtime = runtime
+        self.torch_dtype = runtime.torch_dtype  # (a property of the frozen runtime: read once, not per step)
         self.eos_ids = set(self.cfg.eos_token_ids)
         self._read_sizes = None  # see _bytes_read
         self._stop_tokens: dict = {}  # (stop strings, token id) -> can it end one (see _may_end_in_stop)
@@ -168,7 +169,7 @@ class Engine:
         else:
             rows, cached, tables = new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs]
         batch = build_forward_batch(rows, cached, tables, rt.kv_block_size, rt.device, self.cfg.sliding_window,
-                                    rt.torch_dtype)
+                                    self.torch_dtype)
         start = time.perf_counter()
         # on a decode path with the step's thread pool, a decode step's parallel work runs on it and
         # torch's own on one thread, whichever the kernel (engine/decode_path.py)
@@ -263,7 +264,7 @@ class Engine:
         if self._read_sizes is None:  # per-model constants, worked out once
             from moebench.engine.store.factory import store_layout
 
-            elt = torch.empty(0, dtype=self.runtime.torch_dtype).element_size()
+            elt = torch.empty(0, dtype=self.torch_dtype).element_size()
             # experts in the dtype the store holds them in (bfloat16 rows of a bfloat16 checkpoint on the CPU)
             expert_dtype = store_layout(self.ckpt, self.runtime)[0]
             per_expert = cfg.expert_param_count * torch.empty(0, dtype=expert_dtype).element_size()
@@ -279,11 +280,12 @@ class Engine:
                 V, H = cfg.vocab_size, cfg.hidden_size
                 # non_expert_bytes_per_step counted the head as held (a bf16 checkpoint's: bfloat16)
                 other += lm_head_bytes(V, H, self.runtime.lm_head, elt) - V * H * self.ckpt.lm_head.element_size()
-            self._read_sizes = (elt, per_expert, moe_layers, other)
-        elt, per_expert, moe_layers, other = self._read_sizes
+            kv_per_token, kv_per_sequence = cache_bytes_rates(cfg, elt)  # (families.py)
+            self._read_sizes = (per_expert, moe_layers, other, kv_per_token, kv_per_sequence)
+        per_expert, moe_layers, other, kv_per_token, kv_per_sequence = self._read_sizes
         expert_bytes = stats_experts["distinct_experts"] * moe_layers * per_expert
         kv_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in seqs) + reread_tokens
-        kv = cache_bytes_per_step(cfg, kv_tokens, len(seqs), elt)
+        kv = kv_tokens * kv_per_token + len(seqs) * kv_per_sequence
         return int(expert_bytes + other + kv)
 
     def _finish_reason(self, s: Sequence, tok: int) -> str | None:

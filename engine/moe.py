@@ -136,8 +136,7 @@ class MoeBlock:
         distinct ones per layer): what each layer's call would have recorded (routing statistics, the
         resident store's look-ups, all hits, the kernel's calls). The prefetcher's hooks are
         NoPrefetch's, which do nothing."""
-        for layer, ids in enumerate(topk_ids):
-            self.stats.record(layer, ids)
+        self.stats.record_layers(topk_ids)
         self.store.count_hits(sum(distinct_experts))
         self.kernel.count_native_calls(len(topk_ids))
 

@@ -14,6 +14,13 @@ class RoutingStats:
         # layer -> [tokens, top_k] expert ids of the latest forward, in batch token order. Not cleared
         # by take_step: the scheduler reads it when planning the next step (affinity admission).
         self.last_topk: dict[int, torch.Tensor] = {}
+        self._ext = None  # the extension's routing summary (False: numpy), looked up on the first step
+
+    def record_layers(self, topk_ids: list[torch.Tensor]) -> None:
+        """`record` for layers 0, 1, ... at once (a decode step whose layers ran in one native call)."""
+        layers = list(enumerate(topk_ids))
+        self._step.extend(layers)
+        self.last_topk.update(layers)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         self._step.append((layer, topk_ids))
@@ -25,8 +32,10 @@ class RoutingStats:
         would cost more than the counting. The means are float32, as torch computes them."""
         if not self._step:
             return {"distinct_experts": 0.0, "expert_imbalance": 0.0}
-        ext = _extension()
-        if ext is not None:  # the same counting and float32 means in one C++ call
+        if self._ext is None:
+            self._ext = _extension() or False
+        ext = self._ext
+        if ext:  # the same counting and float32 means in one C++ call
             ids = [t if t.device.type == "cpu" else t.cpu() for _, t in self._step]
             distinct_mean, imbalance_mean = ext.routing_step_summary(ids, [layer for layer, _ in self._step], self.load)
             self._step = []

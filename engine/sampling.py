@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moebench.errors import MoebenchError
 
@@ -40,6 +40,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int | None = None
     seed: int = 0
+    # temperature 0: worked out once here, not on every step that asks (the engine's token selection)
+    greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.top_p is None:
@@ -47,10 +49,7 @@ class SamplingParams:
         check_sampling(self.temperature, self.top_p, self.top_k)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise MoebenchError(f"a sampling seed must be an integer, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+        object.__setattr__(self, "greedy", self.temperature == 0)
 
     def setting(self) -> tuple:
         """What the sampler applied, without the seed (the evidence groups positions by it)."""

@@ -31,7 +31,6 @@ registers, and counts what it streamed per weight dtype (`lm_head_stats`, activa
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,7 @@ from torch import Tensor
 
 from .cpu_moe import load_extension
 
-__all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "decode_threads", "DENSE_MAX_ROWS",
+__all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "DENSE_MAX_ROWS",
            "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained", "lm_head", "lm_head_stats",
            "lm_head_stats_torch", "head_streams", "weight_stats"]
 
@@ -163,25 +162,3 @@ def pool_stats() -> dict | None:
     without the extension. Items run by workers are the evidence that a second thread took part."""
     ext = load_extension()
     return dict(ext.pool_stats()) if ext is not None else None
-
-
-@contextmanager
-def decode_threads(enabled: bool = True):
-    """For the duration of a decode step: the step's thread pool gets torch's thread count and torch
-    itself one thread. A decode step's parallel work (projections, attention, the fused MoE kernel)
-    runs on the pool; torch's ops in it are small. With torch left at two threads, an op that opened
-    an OpenMP team anyway (an argmax over the logits) left libgomp's worker spinning for milliseconds
-    on the core the pool's worker needed: batch 16, 2 threads, 140 -> 165 tok/s with that spinning
-    gone (docs/cpu-decode.md). Without the extension, or with one thread, nothing changes."""
-    threads = torch.get_num_threads()
-    ext = load_extension() if enabled and threads > 1 else None
-    if ext is None or not hasattr(ext, "set_pool_threads"):
-        yield
-        return
-    ext.set_pool_threads(threads)
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        ext.set_pool_threads(0)

@@ -163,14 +163,16 @@ def test_bad_shapes_are_refused(ext):
 
 
 def test_decode_threads_hands_torch_threads_to_the_pool(ext, threads):
+    from moebench.engine.decode_path import decode_threads
+
     torch.set_num_threads(2)
-    with cpu_dense.decode_threads():
+    with decode_threads(ext):
         assert torch.get_num_threads() == 1
         assert ext.pool_threads() == 2
     assert torch.get_num_threads() == 2 and ext.pool_threads() == 2  # the pool follows torch again
     torch.set_num_threads(1)
     assert ext.pool_threads() == 1
-    with cpu_dense.decode_threads(enabled=False):
+    with decode_threads(ext, enabled=False):
         assert torch.get_num_threads() == 1
 
 
