@@ -24,6 +24,30 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The bundled model's tokenizer (a module that needs another defines its own)."""
+    from moebench.engine.loader import load_tokenizer
+    from moebench.models.bundled import bundled_model_path
+
+    return load_tokenizer(bundled_model_path())
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    """The bundled model loaded as `moebench run` loads it, one load per expert budget."""
+    from moebench.measuring.run import _load_model
+    from moebench.models.bundled import bundled_model_path
+
+    cache = {}
+
+    def get(runtime):
+        if runtime.expert_budget not in cache:
+            cache[runtime.expert_budget] = _load_model(bundled_model_path(), runtime)[0]
+        return cache[runtime.expert_budget]
+    return get
+
+
 @pytest.fixture
 def gsm8k_dir() -> Path:
     """The offline GSM8K copy (test.jsonl, train.jsonl) next to the repository."""

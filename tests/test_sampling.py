@@ -17,12 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.loader import load_tokenizer
+from moebench.engine import Engine, Request, RuntimeConfig
 from moebench.engine.sampling import (GREEDY, SamplingParams, request_seed, sample_row, sample_token_ids,
                                       sampling_activation_errors, uniform)
 from moebench.errors import MoebenchError
-from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 N_ITEMS = 12
@@ -126,22 +124,6 @@ def suite():
     return load_suite("gsm-synth", limit=N_ITEMS)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    """The bundled model loaded as `moebench run` loads it, per expert budget (host tier)."""
-    cache = {}
-
-    def get(runtime):
-        key = runtime.expert_budget
-        if key not in cache:
-            cache[key] = _load_model(bundled_model_path(), runtime)[0]
-        return cache[key]
-    return get
 
 
 def _requests(suite, sampling, trial=0):

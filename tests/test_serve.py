@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.loader import load_tokenizer
 from moebench.measuring.run import bundled_model_path
 from moebench.serve.app import ServeProcess
 from moebench.suites import load_suite
@@ -39,10 +38,6 @@ def _gone(pid: int) -> bool:
 def suite():
     return load_suite("gsm-synth", limit=N_ITEMS)
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig
-from moebench.engine.loader import load_tokenizer
 from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.engine.sequence import Sequence
 from moebench.engine.speculative import SpecSettings, Speculator, ngram_draft
 from moebench.errors import MoebenchError
-from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 N_ITEMS = 12
@@ -29,20 +27,6 @@ def suite():
     return load_suite("gsm-synth", limit=N_ITEMS)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    cache = {}
-
-    def get(runtime):
-        if runtime.expert_budget not in cache:
-            cache[runtime.expert_budget] = _load_model(bundled_model_path(), runtime)[0]
-        return cache[runtime.expert_budget]
-    return get
 
 
 def _requests(suite, sampling):

@@ -17,11 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.loader import load_tokenizer
 from moebench.engine.mtp import MtpHead, load_mtp, mtp_layer_count
 from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.errors import MoebenchError
-from moebench.measuring.run import _load_model, bundled_model_path
 from moebench.suites import load_suite
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -181,20 +179,6 @@ def suite():
     return load_suite("gsm-synth", limit=N_ITEMS)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    cache = {}
-
-    def get(runtime):
-        if runtime.expert_budget not in cache:
-            cache[runtime.expert_budget] = _load_model(bundled_model_path(), runtime)[0]
-        return cache[runtime.expert_budget]
-    return get
 
 
 def _generate(checkpoints, tokenizer, suite, sampling=GREEDY, max_new=MAX_NEW, **runtime):
