@@ -256,7 +256,7 @@ def rule_policy(rule: str, tolerance: float):
         # Against a committed speedup of 1.0 (the baseline itself): the current speedup's CI
         # upper bound must reach 1 - tolerance. min_speedup 0 leaves the speedup rule inert
         # (it still requires an interval to exist).
-        committed = {"schema": "moebench.results.summary/1", "baseline": "baseline",
+        committed = {"schema": "moebench.summary/1", "baseline": "baseline",
                      "configs": [{"name": "baseline"},
                                  {"name": "candidate", "vs_baseline": {"speedup": {"median": 1.0}}}]}
         return Policy(config="candidate", metric="decode", min_speedup=0.0, max_slowdown=tolerance), committed

@@ -122,7 +122,7 @@ def test_run_writes_valid_results(capsys, monkeypatch, good_model, data_dir, tmp
     assert exc.value.code in (0, None)
     run_dir = tmp_path / "results" / "r"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["schema"] == "moebench.results.summary/1"
+    assert summary["schema"] == "moebench.summary/1"
     (config,) = summary["configs"]
     assert config["name"] == "baseline" and config["activation"]["ok"]
     assert config["accuracy"]["total"] == 1

@@ -54,7 +54,7 @@ def summaries(tmp_path_factory):
                        **({"speed": {"kernel": 200.0, "all": 300.0}} | kw))
         (run / "summary.json").write_text(json.dumps(build_summary(run)))
         paths[name] = run
-    old = json.loads((paths["good"] / "summary.json").read_text()) | {"schema": "moebench.results.summary/0"}
+    old = json.loads((paths["good"] / "summary.json").read_text()) | {"schema": "moebench.summary/0"}
     paths["old"] = root / "old.json"
     paths["old"].write_text(json.dumps(old))
     return paths
@@ -136,7 +136,7 @@ def test_committed_baseline(summaries):
 
 def test_unusable_input_is_exit_2(summaries, tmp_path):
     code, result = gate(summaries["good"], "--baseline", summaries["old"])
-    assert code == 2 and "moebench.results.summary/1" in str(result.exception)
+    assert code == 2 and "moebench.summary/1" in str(result.exception)
     code, result = gate(summaries["old"])  # a lone summary file: nothing to check it against
     assert code == 2 and "samples.jsonl" in str(result.exception)
     assert gate(tmp_path / "nope")[0] == 2

@@ -203,9 +203,9 @@ def test_load_summary_prefers_current_file_and_rebuilds_old(tmp_path):
     (run / "summary.json").write_text(json.dumps({**built, "run_id": "from-file"}))
     assert load_summary(run)["run_id"] == "from-file"
     assert load_summary(run / "summary.json")["run_id"] == "from-file"
-    (run / "summary.json").write_text(json.dumps({**built, "schema": "moebench.results.summary/0"}))
+    (run / "summary.json").write_text(json.dumps({**built, "schema": "moebench.summary/0"}))
     assert load_summary(run) == built  # rebuilt from the raw files
-    with pytest.raises(MoebenchError, match="summary.json.*moebench.results.summary/1"):
+    with pytest.raises(MoebenchError, match="summary.json.*moebench.summary/1"):
         read_summary(run / "summary.json")
 
 

@@ -263,7 +263,7 @@ def junit_xml(rules: list[Rule], suite: str, require_power: bool = False) -> byt
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(rules)), failures=str(failures),
                        errors="0", skipped=str(skipped))
     for r in rules:
-        case = ET.SubElement(ts, "testcase", classname="moebench.results.gate", name=r.name)
+        case = ET.SubElement(ts, "testcase", classname="moebench.gate", name=r.name)
         # the JUnit schema puts <failure> and <skipped> before <system-out>
         if r.inconclusive and not require_power:
             ET.SubElement(case, "skipped", message=r.note or "inconclusive")

@@ -23,7 +23,7 @@ from moebench.results.policy import DEFAULTS
 from moebench.results.run_data import RunData, load_run, per_item  # noqa: F401  (re-exported: callers read runs through here)
 from moebench.results.verdict import config_entry, format_p, judge_accuracy, verdict  # noqa: F401  (re-exported)
 
-SCHEMA = "moebench.results.summary/1"
+SCHEMA = "moebench.summary/1"
 FIRST_DIVERGENCE_CAP = 50
 
 
@@ -423,7 +423,7 @@ def _trial_order(run: RunData) -> str:
 
 
 def build_summary(run_dir: Path, margin: float | None = None) -> dict:
-    """Summary dict (schema moebench.results.summary/1) of a results directory; see module doc. margin:
+    """Summary dict (schema moebench.summary/1) of a results directory; see module doc. margin:
     the non-inferiority margin of the accuracy verdicts, in points (default: the gate policy's)."""
     margin = DEFAULTS.margin if margin is None else float(margin)
     run = load_run(Path(run_dir))

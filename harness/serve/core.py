@@ -183,7 +183,7 @@ class EngineCore:
         ev = session.evidence()
         c = self.counters
         return {
-            "schema": "moebench.serve.app.evidence/1",
+            "schema": "moebench.serve.evidence/1",
             "switches": rt.switches(),
             "runtime": {"device": rt.device, "dtype": str(rt.torch_dtype).replace("torch.", ""),
                         "batch_size": rt.batch_size, "admission": rt.admission,
