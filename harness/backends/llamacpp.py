@@ -28,8 +28,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import typer
-
 from moebench.errors import MoebenchError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -57,8 +55,6 @@ BINARY_OVERRIDES = {"llama-server": "MOEBENCH_LLAMA_SERVER", "llama-batched-benc
 BUILD_JOBS = 2
 # about 10 CPU-minutes of compiling (measured, docs/engines.md): the wall time depends on the load
 BUILD_ESTIMATE = "about 10 CPU-minutes: ~5-6 min on 2 idle cores, 20-35 min on a busy shared 2-core VM"
-
-cli = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
 def cache_root() -> Path:
@@ -275,12 +271,3 @@ def bundled_gguf_path(dtype: str = "f32") -> Path:
     from moebench.models.bundled import bundled_model_path
 
     return gguf_path(bundled_model_path(), dtype)
-
-
-@cli.command("build-llamacpp")
-def build_llamacpp_command() -> None:
-    """Build (or find cached) llama.cpp's llama-server and llama-batched-bench for this CPU and export
-    the bundled model to GGUF."""
-    typer.echo(llama_server_path())
-    typer.echo(llama_batched_bench_path())
-    typer.echo(bundled_gguf_path())

@@ -1,5 +1,5 @@
 """The `moebench` command line: one typer app; each command's options live in a module of moebench.cli
-(`engines build-llamacpp`'s still beside the build it runs), which calls the layer that does the work.
+which calls the layer that does the work.
 
 `moebench --help`, every subcommand's `--help` and every usage error must answer at once, even
 on a loaded machine, so a command module imports nothing heavy (torch, transformers, pandas,
@@ -30,8 +30,7 @@ def _root() -> None:
 
 # Command registrations: one line per command. Importing a command's module must stay light (no
 # torch/transformers/pandas at its top): all of them are imported to answer `moebench --help`.
-from moebench.backends import llamacpp  # noqa: E402
-from moebench.cli import export, gate, kernels, models, plan, profiles, report, train  # noqa: E402
+from moebench.cli import engines, export, gate, kernels, models, plan, profiles, report, train  # noqa: E402
 from moebench.cli.lm_eval import lm_eval_command  # noqa: E402
 from moebench.cli.run import run_command  # noqa: E402
 from moebench.cli.serve import serve_command  # noqa: E402
@@ -47,7 +46,7 @@ app.command("serve")(serve_command)
 app.command("lm-eval")(lm_eval_command)
 app.add_typer(kernels.app, name="kernels", help="MoE kernel microbenchmark and Triton block-size tuning.")
 app.add_typer(export.app, name="export", help="Export a checkpoint for other engines (GGUF for llama.cpp).")
-app.add_typer(llamacpp.cli, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")
+app.add_typer(engines.app, name="engines", help="Build external engines (llama.cpp's llama-server) ahead of a run.")
 app.add_typer(models.app, name="models", help="Random checkpoints with a named model's structure (models synth).")
 app.add_typer(profiles.app, name="profiles", help="Check server profiles' evidence against recorded server output (no server).")
 

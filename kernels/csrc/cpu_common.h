@@ -1,11 +1,13 @@
 // What the CPU kernels of the moebench_moe_cpu extension share: the decode step's thread pool
-// (defined in dense_cpu.cpp) and the AVX2 loads that widen bfloat16 weights in registers.
+// (defined in dense_cpu.cpp), the AVX2 loads that widen bfloat16 weights in registers, and the
+// decode-time dot products, with an AVX-512 twin chosen at run time where the CPU has it.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -94,8 +96,32 @@ inline float hsum(__m256 v) {
 // accumulators for one token, two for more, combined at the end).
 enum class RowSum { kDense, kMoe };
 
+// The end of a stream dot, the same for both instruction sets: the kDense accumulators combined, the
+// last 8-wide steps, the kMoe accumulators combined, the horizontal sum and the scalar tail.
+template <RowSum F, int S, int U, int T, typename W>
+inline void finish_streams(__m256 (&acc)[S][U][T], const W* const* w, const float* const* x, int64_t k, int64_t K,
+                           float* o) {
+  if (F == RowSum::kDense)
+    for (int s = 0; s < S; ++s)
+      for (int t = 0; t < T; ++t) acc[s][0][t] = _mm256_add_ps(acc[s][0][t], acc[s][1][t]);
+  for (; k + 8 <= K; k += 8)
+    for (int s = 0; s < S; ++s) {
+      const __m256 wv = load8(w[s] + k);
+      for (int t = 0; t < T; ++t) acc[s][0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k), acc[s][0][t]);
+    }
+  for (int s = 0; s < S; ++s)
+    for (int t = 0; t < T; ++t) {
+      __m256 v = acc[s][0][t];
+      if (F == RowSum::kMoe)
+        for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[s][u][t]);
+      float sum = hsum(v);
+      for (int64_t kk = k; kk < K; ++kk) sum += load1(w[s] + kk) * x[t][kk];
+      o[s * T + t] = sum;
+    }
+}
+
 template <RowSum F, int S, int T, typename W>
-inline void dot_streams(const W* const* w, const float* const* x, int64_t K, float* o) {
+inline void dot_streams_avx2(const W* const* w, const float* const* x, int64_t K, float* o) {
   constexpr int U = F == RowSum::kDense ? 2 : (T == 1 ? 4 : 2);
   __m256 acc[S][U][T];
 #pragma GCC unroll 4
@@ -119,23 +145,79 @@ inline void dot_streams(const W* const* w, const float* const* x, int64_t K, flo
       }
     }
   }
-  if (F == RowSum::kDense)
-    for (int s = 0; s < S; ++s)
-      for (int t = 0; t < T; ++t) acc[s][0][t] = _mm256_add_ps(acc[s][0][t], acc[s][1][t]);
-  for (; k + 8 <= K; k += 8)
-    for (int s = 0; s < S; ++s) {
-      const __m256 wv = load8(w[s] + k);
-      for (int t = 0; t < T; ++t) acc[s][0][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[t] + k), acc[s][0][t]);
-    }
+  finish_streams<F, S, U, T>(acc, w, x, k, K, o);
+}
+
+// ---- the same dot products, 16 lanes at a time (AVX-512) --------------------------------------
+//
+// Where the CPU has AVX-512 the streamed dots run with 512-bit registers: one load and one widening
+// for 16 weights instead of two of each, which is what bounds a one-thread stream of bfloat16 or int8
+// weights on a machine that reads ~30 GB/s (docs/bf16.md). The results are bit for bit the AVX2
+// kernel's: a 16-lane accumulator is two of the AVX2 kernel's 8-lane accumulators side by side (lanes
+// 0-7 its accumulator u, lanes 8-15 its accumulator u + 1), every lane takes the same FMAs in the same
+// order, and the end (finish_streams) is the AVX2 code on the two halves. MOEBENCH_AVX512=0 keeps the
+// AVX2 kernel on such a CPU (an A/B measurement); simd_stats counts the rows each one streamed.
+#define MOEBENCH_AVX512_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+
+MOEBENCH_AVX512_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+MOEBENCH_AVX512_TARGET inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+MOEBENCH_AVX512_TARGET inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+MOEBENCH_AVX512_TARGET inline __m512 load16(const c10::Float8_e4m3fn* p) {  // as load8 above
+  const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(s, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+}
+
+template <RowSum F, int S, int T, typename W>
+MOEBENCH_AVX512_TARGET void dot_streams_avx512(const W* const* w, const float* const* x, int64_t K, float* o) {
+  constexpr int U = F == RowSum::kDense ? 2 : (T == 1 ? 4 : 2);
+  constexpr int Z = U / 2;  // 16-lane accumulators per (stream, token)
+  __m512 wide[S][Z][T];
+#pragma GCC unroll 4
   for (int s = 0; s < S; ++s)
-    for (int t = 0; t < T; ++t) {
-      __m256 v = acc[s][0][t];
-      if (F == RowSum::kMoe)
-        for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[s][u][t]);
-      float sum = hsum(v);
-      for (int64_t kk = k; kk < K; ++kk) sum += load1(w[s] + kk) * x[t][kk];
-      o[s * T + t] = sum;
+#pragma GCC unroll 2
+    for (int z = 0; z < Z; ++z)
+#pragma GCC unroll 3
+      for (int t = 0; t < T; ++t) wide[s][z][t] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+#pragma GCC unroll 2
+    for (int z = 0; z < Z; ++z) {
+      __m512 xv[T];
+#pragma GCC unroll 3
+      for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_ps(x[t] + k + 16 * z);
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        const __m512 wv = load16(w[s] + k + 16 * z);
+#pragma GCC unroll 3
+        for (int t = 0; t < T; ++t) wide[s][z][t] = _mm512_fmadd_ps(wv, xv[t], wide[s][z][t]);
+      }
     }
+  }
+  __m256 acc[S][U][T];
+  for (int s = 0; s < S; ++s)
+    for (int z = 0; z < Z; ++z)
+      for (int t = 0; t < T; ++t) {
+        acc[s][2 * z][t] = _mm512_castps512_ps256(wide[s][z][t]);
+        acc[s][2 * z + 1][t] = _mm512_extractf32x8_ps(wide[s][z][t], 1);
+      }
+  finish_streams<F, S, U, T>(acc, w, x, k, K, o);
+}
+
+// Whether the streamed dots run the AVX-512 kernel in this process (decided once, dense_cpu.cpp),
+// and the rows each kernel streamed (index 1: AVX-512).
+bool avx512_streams();
+extern std::atomic<int64_t> g_streamed_rows[2];
+
+template <RowSum F, int S, int T, typename W>
+inline void dot_streams(const W* const* w, const float* const* x, int64_t K, float* o) {
+  if (avx512_streams()) dot_streams_avx512<F, S, T>(w, x, K, o);
+  else dot_streams_avx2<F, S, T>(w, x, K, o);
 }
 
 // o[i * T + t] = dot(row(i), x[t]) for rows i in [0, n) and T (1-3) tokens: the rows are cut into
@@ -147,6 +229,7 @@ inline void dot_rows_streamed(Row row, int64_t n, const float* const* x, int64_t
   // (docs/cpu-decode.md, "Four runs for 2-3 tokens too").
   constexpr int S = 4;
   const int64_t q = n / S;
+  g_streamed_rows[avx512_streams() ? 1 : 0].fetch_add(n, std::memory_order_relaxed);
   for (int64_t i = 0; i < q; ++i) {
     const W* w[S];
     float os[S * T];

@@ -44,6 +44,19 @@
 
 namespace moebench_cpu {
 
+std::atomic<int64_t> g_streamed_rows[2];
+
+bool avx512_streams() {
+  static const bool on = [] {
+    const char* env = std::getenv("MOEBENCH_AVX512");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }();
+  return on;
+}
+
 using ItemFn = void (*)(void* context, int64_t item);
 
 namespace {
@@ -545,6 +558,16 @@ double read_in_runs(torch::Tensor x) {
   return sum;
 }
 
+// The rows the streamed dots read with each kernel (cpu_common.h: dot_rows_streamed), and which one
+// this process runs: the activation evidence of the AVX-512 kernel.
+pybind11::dict simd_stats() {
+  pybind11::dict d;
+  d["streams"] = moebench_cpu::avx512_streams() ? "avx512" : "avx2";
+  d["avx2_rows"] = moebench_cpu::g_streamed_rows[0].load(std::memory_order_relaxed);
+  d["avx512_rows"] = moebench_cpu::g_streamed_rows[1].load(std::memory_order_relaxed);
+  return d;
+}
+
 // How much of the last sections' work the pool's workers did (activation evidence for 2+ threads).
 pybind11::dict pool_stats() {
   pybind11::dict d;
@@ -576,6 +599,7 @@ void register_dense(pybind11::module& m) {
         "scales; the LM head is in lm_head_stats)");
   m.def("lm_head_stats", &lm_head_stats, "LM-head projections run in the kernel so far, by weight dtype: calls and bytes streamed");
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
+  m.def("simd_stats", &simd_stats, "The streamed dots' kernel in this process (avx512 or avx2) and the rows each one read so far");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
         "spins not begun because the machine had more runnable threads than cores");
 }
