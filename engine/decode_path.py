@@ -44,6 +44,7 @@ class DecodePath:
         # decode steps by the threads they ran on, "pool=P torch=T", as read inside the step
         self.threads_seen: dict[str, int] = {}
         self._ext = None  # the extension with the step's thread pool (False: none), looked up on the first step
+        self._streams_start = None  # the extension's streamed-dot counters then (simd_stats)
 
     @property
     def pool(self) -> bool:
@@ -62,6 +63,8 @@ class DecodePath:
 
             ext = load_extension()
             self._ext = ext if ext is not None and hasattr(ext, "pool_threads") else False
+            if self._ext and hasattr(self._ext, "simd_stats"):
+                self._streams_start = dict(self._ext.simd_stats())
         return self._ext
 
     @contextmanager
@@ -83,7 +86,17 @@ class DecodePath:
 
     def evidence(self) -> dict:
         return {"requested": self.requested, "path": self.name, "why": self.why, "chains": self.chains,
-                "step_pool": self.pool, "decode_threads": dict(self.threads_seen)}
+                "step_pool": self.pool, "decode_threads": dict(self.threads_seen),
+                "streamed_dots": self.streamed_dots()}
+
+    def streamed_dots(self) -> dict | None:
+        """Which kernel the extension's streamed dot products ran in this process (avx512 or avx2,
+        kernels/csrc/cpu_common.h) and the weight rows each streamed since this session's first decode
+        step, as the extension counted them; None before a decode step or without the extension."""
+        if not self._ext or self._streams_start is None:
+            return None
+        now = dict(self._ext.simd_stats())
+        return {"kernel": now["streams"], **{k: now[k] - self._streams_start[k] for k in ("avx512_rows", "avx2_rows")}}
 
 
 def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:

@@ -38,6 +38,7 @@ def settings(result) -> dict:
     store, path = result.evidence["prefetch"], result.evidence["decode_path"]
     return {"decode_path": (path["path"], path["chains"], path["step_pool"]),
             "threads": sorted(path["decode_threads"]),
+            "streamed_dots": (path["streamed_dots"] or {}).get("kernel"),
             "store": {k: store.get(k) for k in STORE_KEYS}}
 
 
@@ -45,6 +46,10 @@ def settings(result) -> dict:
 def test_flipping_a_switch_leaves_every_other_setting(ckpt, budget):
     base = settings(run(ckpt, budget))
     assert base["threads"], "decode steps ran and recorded their threads"
+    from moebench.kernels.cpu_moe import load_extension
+
+    if load_extension() is not None:  # the streamed dots' kernel, as the extension reported it
+        assert base["streamed_dots"] == load_extension().simd_stats()["streams"]
     for switch, value in FLIPS.items():
         if switch == "prefetch" and budget == 1.0:
             continue  # every expert resident: nothing to prefetch, which the run reports as a failure
