@@ -201,12 +201,6 @@ class LlamaBatchedBenchSide:
         self.runs: list[dict] = []
         self.last_argv: list[str] = []
 
-    def warm_up(self, batch: int, threads: int) -> None:
-        """One short run, not recorded: its first load of the GGUF (read whole, into huge pages) and
-        what the kernel does after it exits land before the timed rounds, as the other engines'
-        warm-up runs do, not on whatever engine runs next in the first round."""
-        run_batched_bench(self.binary, self.gguf, threads, self.prompt_tokens, 1, batch)
-
     def decode_rate(self, batch: int, new_tokens: int, threads: int) -> float:
         """S_TG over new_tokens - 1 steps: the decode steps a run of new_tokens tokens takes after
         its prefill (the first token comes from the prefill), as the other engines are timed."""

@@ -446,11 +446,9 @@ def bench_engine(
                 bytes_per_step = {(b, side.name): [] for b in batches for side in sides}
                 # llama.cpp's or transformers': the runtime's steps with their weights' bytes
                 swapped_bytes: dict[int, list[float]] = {b: [] for b in batches}
-                for b in batches:  # warm-up: first touches, the server's start, the GGUF's first load
+                for b in batches:  # warm-up: first touches, the server's start (batched-bench warms itself up)
                     for side in sides:
-                        if isinstance(side, LlamaBatchedBenchSide):
-                            side.warm_up(b, t)
-                        else:
+                        if not isinstance(side, LlamaBatchedBenchSide):
                             side.run(prompts[:b], 2, t)
                 def probe() -> float:
                     torch.set_num_threads(t)
