@@ -90,7 +90,8 @@ def test_real_run_on_a_tiny_gguf(tmp_path):
     gguf = export_gguf(model, tmp_path / "tiny.gguf", "f32")
     run = run_batched_bench(binary, gguf, 1, 12, 5, 2)
     assert (run.row.prompt_tokens, run.row.decode_steps, run.row.batch) == (12, 5, 2)
-    assert run.row.decode_tok_s > 0 and run.row.decode_s > 0
+    # its table prints seconds to the millisecond: 5 steps of a tiny model can print 0.000 s, its rate stays positive
+    assert run.row.decode_tok_s > 0 and run.row.decode_s >= 0
     assert run.argv[run.argv.index("--load-mode") + 1] == "none"
 
 
