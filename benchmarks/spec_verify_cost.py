@@ -61,7 +61,7 @@ def main() -> None:
     import torch
 
     from moebench.engine import Engine, RuntimeConfig
-    from moebench.engine.decode_path import step_threads
+    from moebench.engine.decode_path import step_context
     from moebench.engine.model import build_forward_batch
 
     torch.set_num_threads(1)
@@ -113,7 +113,7 @@ def main() -> None:
             times = {k: [] for k in runs}
             for _ in range(args.rounds):
                 for k, run in runs.items():
-                    with step_threads(session.model, True):  # as the engine runs a decode step
+                    with step_context(session.model):  # as the engine runs a decode step
                         run()  # warm
                         t = time.perf_counter()
                         for _ in range(args.steps):

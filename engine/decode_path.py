@@ -7,8 +7,8 @@ scheduler or the prefetcher, so flipping any of those switches leaves it as it w
 - `chained`: the extension's step ops (kernels/csrc/decode_layer.cpp), a decode step's attention
   sub-layer and router each one native call, layer by layer; the MoE op, whichever the `kernel`
   switch chose, is called from Python between them. The step's parallel work runs on the
-  extension's thread pool and torch's own on one thread (decode_threads below), for
-  both kernels alike.
+  extension's thread pool and torch's own on one thread (DecodePath.step_context), for both
+  kernels alike.
 - `native`: the same ops with every layer of a step, from the token ids to the logits, in one C++
   call (DecodeLayers). The MoE op inside that call is the fused C++ kernel on resident experts, so
   this path needs kernel=fused, every expert resident and prefetch=off; asked for anywhere else, it
@@ -22,7 +22,7 @@ says which ran and why.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -41,10 +41,9 @@ class DecodePath:
         # the attention sub-layer and router as one native call each (MOEBENCH_DECODE_CHAINS=0 calls
         # their ops one by one inside the same path, an A/B knob of benchmarks/decode_breakdown.py)
         self.chains = chains
-        # decode steps by the threads they ran on, "pool=P torch=T", as read inside the step
-        self.threads_seen: dict[str, int] = {}
-        self._ext = None  # the extension with the step's thread pool (False: none), looked up on the first step
-        self._streams_start = None  # the extension's streamed-dot counters then (simd_stats)
+        self._threads = None  # the context decode steps run in (step_context), made when a session starts
+        self._ext = None  # the extension whose streamed-dot counters the evidence reads, if any
+        self._streams_start = None  # those counters when the session started (simd_stats)
 
     @property
     def pool(self) -> bool:
@@ -55,44 +54,32 @@ class DecodePath:
     def whole_step(self) -> bool:
         return self.name == "native"
 
-    def pool_extension(self):
-        """The extension whose thread pool the steps use and whose threads they read, or False;
-        looked up once per session, not per step."""
-        if self._ext is None:
+    def step_context(self):
+        """The context each decode step's forward runs in (engine/llm_engine.py enters it), made once
+        per session: the extension's StepThreads (kernels/csrc/dense_cpu.cpp), which on a path with the
+        step's thread pool gives the pool torch's threads and torch one for the step, and counts each
+        step by the threads it ran on, read inside the step; without the extension, TorchThreads."""
+        if self._threads is None:
             from moebench.kernels.cpu_moe import load_extension
 
             ext = load_extension()
-            self._ext = ext if ext is not None and hasattr(ext, "pool_threads") else False
-            if self._ext and hasattr(self._ext, "simd_stats"):
-                self._streams_start = dict(self._ext.simd_stats())
-        return self._ext
-
-    @contextmanager
-    def step_threads(self, decode: bool):
-        """Around one step's forward: a decode step on a path with the step's thread pool gives the
-        pool torch's threads and torch one (decode_threads); the threads are read inside."""
-        if not decode:
-            yield
-            return
-        ext = self.pool_extension()
-        with decode_threads(ext or None, self.pool):
-            self.observe_threads(ext)
-            yield
-
-    def observe_threads(self, ext) -> None:
-        pool = ext.pool_threads() if ext else 0
-        key = f"pool={pool} torch={torch.get_num_threads()}"
-        self.threads_seen[key] = self.threads_seen.get(key, 0) + 1
+            if ext is not None and hasattr(ext, "StepThreads"):
+                self._threads = ext.StepThreads(self.pool)
+                if hasattr(ext, "simd_stats"):
+                    self._ext, self._streams_start = ext, dict(ext.simd_stats())
+            else:
+                self._threads = TorchThreads()
+        return self._threads
 
     def evidence(self) -> dict:
         return {"requested": self.requested, "path": self.name, "why": self.why, "chains": self.chains,
-                "step_pool": self.pool, "decode_threads": dict(self.threads_seen),
+                "step_pool": self.pool, "decode_threads": dict(self._threads.seen()) if self._threads else {},
                 "streamed_dots": self.streamed_dots()}
 
     def streamed_dots(self) -> dict | None:
         """Which kernel the extension's streamed dot products ran in this process (avx512 or avx2,
-        kernels/csrc/cpu_common.h) and the weight rows each streamed since this session's first decode
-        step, as the extension counted them; None before a decode step or without the extension."""
+        kernels/csrc/cpu_common.h) and the weight rows each streamed since this session started (its
+        step_context), as the extension counted them; None before that or without the extension."""
         if not self._ext or self._streams_start is None:
             return None
         now = dict(self._ext.simd_stats())
@@ -146,28 +133,25 @@ def native_step_problem(model, runtime, experts_resident: bool = True) -> str | 
     return None
 
 
-def step_threads(model, decode: bool):
-    """Around one step's forward of `model`: its decode path's step_threads, where it has one."""
+class TorchThreads:
+    """StepThreads without the extension: no pool to hand threads to; steps counted by torch's threads."""
+
+    def __init__(self):
+        self._seen: dict[str, int] = {}
+
+    def __enter__(self):
+        key = f"pool=0 torch={torch.get_num_threads()}"
+        self._seen[key] = self._seen.get(key, 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def seen(self) -> dict[str, int]:
+        return dict(self._seen)
+
+
+def step_context(model):
+    """The context `model`'s decode steps run in: its decode path's step_context, where it has one."""
     path = getattr(model, "decode_path", None)
-    return nullcontext() if path is None else path.step_threads(decode)
-
-
-@contextmanager
-def decode_threads(ext, enabled: bool = True):
-    """For the duration of a decode step: the step's thread pool (`ext`'s, the C++ extension's) gets
-    torch's thread count and torch itself one thread. A decode step's parallel work (projections,
-    attention, the fused MoE kernel) runs on the pool; torch's ops in it are small. With torch left at
-    two threads, an op that opened an OpenMP team anyway (an argmax over the logits) left libgomp's
-    worker spinning for milliseconds on the core the pool's worker needed (docs/cpu-decode.md).
-    Without the extension, or with one thread, nothing changes."""
-    threads = torch.get_num_threads()
-    if not (enabled and threads > 1 and ext is not None and hasattr(ext, "set_pool_threads")):
-        yield
-        return
-    ext.set_pool_threads(threads)
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        ext.set_pool_threads(0)
+    return nullcontext() if path is None else path.step_context()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -22,7 +23,10 @@ from moebench.engine.sequence import Request, Sequence
 from moebench.engine.mtp import make_mtp_drafter
 from moebench.engine.speculative import make_speculator
 from moebench.errors import MoebenchError
-from moebench.engine.decode_path import step_threads
+from moebench.engine.decode_path import step_context
+
+
+NO_THREAD_SWITCH = nullcontext()  # a prefill or mixed step keeps torch's threads
 
 
 @dataclass
@@ -151,7 +155,7 @@ class Engine:
         return EngineSession(self, blocks, on_complete, time.perf_counter())
 
     def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
-              step_start, sampling_counts=None, speculator=None):
+              step_start, sampling_counts=None, speculator=None, step_threads=None):
         rt = self.runtime
         new_tokens = [_new_token_ids(s) for s in seqs]
         in_prefill = [s.in_prefill for s in seqs]
@@ -173,7 +177,7 @@ class Engine:
         start = time.perf_counter()
         # on a decode path with the step's thread pool, a decode step's parallel work runs on it and
         # torch's own on one thread, whichever the kernel (engine/decode_path.py)
-        with step_threads(model, batch.max_q == 1):
+        with step_threads if step_threads is not None and batch.max_q == 1 else NO_THREAD_SWITCH:
             logits = model.forward(batch, kv)
             if verify:
                 emitted = speculator.select(seqs, logits, drafts, sampling_counts, greedy_token_ids)
@@ -357,6 +361,8 @@ class EngineSession:
         # None: speculative decoding off (an MTP head gets a cache of num_kv_blocks beside the model's)
         self.speculator = make_speculator(
             rt, cfg, lambda: make_mtp_drafter(engine.ckpt, self.model, num_kv_blocks, rt.kv_block_size))
+        # what each decode step's forward runs in: its threads, set and counted (engine/decode_path.py)
+        self.step_threads = step_context(self.model)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -381,7 +387,7 @@ class EngineSession:
         self.last_batch = batch_seqs
         record = self.engine._step(self.num_steps, batch_seqs, self.model, self.kv, self.block_manager, self.stats,
                                    self.store, self.scheduler, self.completions, self.on_complete, self.arrival,
-                                   step_start, self.sampling_counts, self.speculator)
+                                   step_start, self.sampling_counts, self.speculator, self.step_threads)
         self.num_steps += 1
         return record
 

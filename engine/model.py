@@ -290,7 +290,6 @@ class MoeTransformer:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
         if self.decode_chains and batch.max_q == 1 and kv.k[layer_idx].dtype == torch.float32 and cpu_dense.rows_stream(x):
             self._count_attention("cpp-block")
-            cpu_dense.count_chained(2)
             return self.ops.decode_attention_sublayer(
                 h, x, w.qkv_proj, w.qkv_bias, w.q_norm if cfg.qk_norm else None, w.k_norm if cfg.qk_norm else None,
                 cfg.rms_norm_eps, self.rope.cos, self.rope.sin, batch.positions, kv.k[layer_idx], kv.v[layer_idx],
@@ -344,7 +343,6 @@ class MoeTransformer:
     def route(self, x, layer_idx: int):
         cfg, router = self.cfg, self.ckpt.layers[layer_idx].router
         if self.decode_chains and cpu_dense.rows_stream(x):
-            cpu_dense.count_chained(1)  # the projection, softmax and top-k below in one native call
             return self.ops.route_decode(x.contiguous(), router, cfg.top_k, cfg.norm_topk_prob)
         weights, ids = route(linear(x, router), cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
@@ -421,8 +419,6 @@ class MoeTransformer:
         layers = len(topk_ids)
         self.moe_block.ran_natively(topk_ids, distinct)
         self._count_attention("cpp-block", layers)
-        # qkv, output and router projections, and the LM head
-        cpu_dense.count_chained(3 * layers + int(self._native_lm_head))
         self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
         # every sequence's one new token: with the LM head, x is the logits already
         if self._native_lm_head:

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cpu_moe import load_extension
+from .cpu_moe import load_extension, loaded_extension
 
 __all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "DENSE_MAX_ROWS",
-           "DISABLE_ENV", "weight_streams", "rows_stream", "count_chained", "lm_head", "lm_head_stats",
+           "DISABLE_ENV", "weight_streams", "rows_stream", "lm_head", "lm_head_stats",
            "lm_head_stats_torch", "head_streams", "weight_stats"]
 
 DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
@@ -73,7 +73,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)`; for a decode step's float32 rows on the CPU, the extension's
     streaming kernel on the step's thread pool."""
     if rows_stream(x) and weight_streams(weight) and dense_kernel_enabled():
-        _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + 1
         return load_extension().dense_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     if weight.dtype == torch.int8:  # int8 rows with their scales (prefill rows, or no extension)
@@ -110,7 +109,6 @@ def lm_head(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     `F.linear` (a float32 head, as `linear` would) or `reference.lm_head_reference` (a matmul on the
     upcast weight), counted here as torch calls by weight dtype."""
     if rows_stream(x) and head_streams(weight, scale) and dense_kernel_enabled():
-        _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + 1
         return load_extension().lm_head_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, scale)
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     name = str(weight.dtype).replace("torch.", "")
@@ -147,14 +145,19 @@ def lm_head_stats_torch() -> dict:
     return dict(_torch_head_calls)
 
 
-def count_chained(calls: int) -> None:
-    """`calls` projections ran in the extension's kernel inside a chain of ops (csrc/decode_layer.cpp)."""
-    _calls[BACKEND_CPP] = _calls.get(BACKEND_CPP, 0) + calls
-
-
 def dense_backends() -> dict[str, int]:
-    """Calls of `linear` so far in this process, by the implementation that ran them."""
-    return dict(_calls)
+    """Dense projections (the LM head's included) so far in this process, by the implementation that
+    ran them: the extension's kernel, as it counted them where they ran (weight_stats' dense calls,
+    whether `linear` or a chain of ops in csrc/decode_layer.cpp called it, and lm_head_stats' calls),
+    and torch, counted here."""
+    out = dict(_calls)
+    ext = loaded_extension()  # not built here: a process that ran no kernel counted none
+    if ext is not None and hasattr(ext, "weight_stats"):
+        streamed = sum(c["calls"] for c in ext.weight_stats()["dense"].values())
+        streamed += sum(c["calls"] for c in ext.lm_head_stats().values())
+        if streamed:
+            out[BACKEND_CPP] = streamed
+    return out
 
 
 def pool_stats() -> dict | None:

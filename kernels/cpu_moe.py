@@ -29,7 +29,7 @@ from torch import Tensor
 from .align import sort_by_expert
 from .build import Extension, LazyExtension, build_extension
 
-__all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "cpp_kernel_takes", "load_extension"]
+__all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "cpp_kernel_takes", "load_extension", "loaded_extension"]
 
 log = logging.getLogger("moebench.kernels")
 
@@ -69,6 +69,11 @@ _extension = LazyExtension("the CPU MoE kernel", "MOEBENCH_CPU_KERNEL", strict="
 def load_extension():
     """The compiled extension module, building it on first call; None if unavailable."""
     return _extension.get()
+
+
+def loaded_extension():
+    """The extension where this process has loaded it already, else None; never builds it."""
+    return _extension.module
 
 
 def cpu_backend() -> str:

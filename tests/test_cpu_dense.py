@@ -162,18 +162,28 @@ def test_bad_shapes_are_refused(ext):
         ext.dense_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
 
 
-def test_decode_threads_hands_torch_threads_to_the_pool(ext, threads):
-    from moebench.engine.decode_path import decode_threads
-
+def test_step_threads_hand_torch_threads_to_the_pool_and_count_what_ran(ext, threads):
     torch.set_num_threads(2)
-    with decode_threads(ext):
-        assert torch.get_num_threads() == 1
-        assert ext.pool_threads() == 2
+    step = ext.StepThreads(True)
+    for _ in range(2):
+        with step:
+            assert torch.get_num_threads() == 1
+            assert ext.pool_threads() == 2
     assert torch.get_num_threads() == 2 and ext.pool_threads() == 2  # the pool follows torch again
+    assert step.seen() == {"pool=2 torch=1": 2}
     torch.set_num_threads(1)
     assert ext.pool_threads() == 1
-    with decode_threads(ext, enabled=False):
+    with step:  # one thread: nothing to hand over
         assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    with pytest.raises(ValueError):
+        with step:  # an exception in the step: torch has its threads back all the same
+            raise ValueError
+    assert torch.get_num_threads() == 2 and ext.pool_threads() == 2
+    eager = ext.StepThreads(False)
+    with eager:  # no pool: torch keeps its threads
+        assert torch.get_num_threads() == 2
+    assert step.seen() == {"pool=2 torch=1": 3, "pool=1 torch=1": 1} and eager.seen() == {"pool=2 torch=2": 1}
 
 
 def test_engine_decode_runs_on_the_pool_and_restores_threads(ext, threads, tmp_path):

@@ -208,7 +208,7 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
         calls.update(calls_seen)
         # what the steps recorded besides their logits, which must not depend on how they ran
         calls["recorded"] = (routing, stats.load.tolist(), {k: v for k, v in stats.last_topk.items()},
-                             kernel.evidence(), store.counters.total, model.attention_backends)
+                             kernel.evidence(), store.evidence()["expert_hits"], model.attention_backends)
         calls["decode_steps"] = model.decode_steps
     monkeypatch.undo()
     return out

@@ -6,7 +6,10 @@ import torch
 
 from moebench.engine import memory
 from moebench.engine.store.tiers import experts_in
-from moebench.engine.store.base import Counters, ExpertStore, dtype_name, host_ids, memory_evidence
+from moebench.engine.store.base import STEP_KEYS, ExpertStore, dtype_name, host_ids, memory_evidence
+
+# a step's counters but hits, which a resident store never has (it loads nothing, never waits)
+NOTHING_LOADED = {**dict.fromkeys(STEP_KEYS, 0), "stall_s": 0.0}
 
 
 class ResidentStore(ExpertStore):
@@ -25,7 +28,8 @@ class ResidentStore(ExpertStore):
             self.experts = experts_in(ckpt, dtype, next(iter(self.experts.values()))[0].device)
         self.dtype = dtype
         self.budget = budget
-        self.counters = Counters()
+        self.hits = 0  # look-ups this run, every one a hit
+        self._step_hits = 0
         self.rss = memory.PeakRss()
         own = [w for pair in self.experts.values() for w in pair]
         ckpt_experts = [w for layer in ckpt.layers for w in (layer.w13, layer.w2) if w is not None]
@@ -44,16 +48,17 @@ class ResidentStore(ExpertStore):
     def count_hits(self, distinct_experts: int) -> None:
         """Look-ups of so many distinct experts, made without `fetch` (a native decode step's layers,
         MoeBlock.ran_natively): all hits."""
-        self.counters.add("expert_hits", distinct_experts)
+        self.hits += distinct_experts
+        self._step_hits += distinct_experts
 
     def take_step(self):
-        return self.counters.take_step()
+        hits, self._step_hits = self._step_hits, 0
+        return {**NOTHING_LOADED, "expert_hits": hits}
 
     def evidence(self):
-        t = self.counters.total
-        return {"store": "resident", "expert_budget": self.budget, "expert_hits": t["expert_hits"],
+        return {"store": "resident", "expert_budget": self.budget, "expert_hits": self.hits,
                 "expert_dtype": dtype_name(next(iter(self.experts.values()))[0].dtype) if self.experts else None,
-                "expert_misses": 0, "hit_rate": 1.0 if t["expert_hits"] else None, **self.memory()}
+                "expert_misses": 0, "hit_rate": 1.0 if self.hits else None, **self.memory()}
 
 
 def read_all_experts(ckpt, dtype: torch.dtype) -> dict:

@@ -37,7 +37,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -582,12 +584,62 @@ pybind11::dict pool_stats() {
 
 void set_pool_threads(int64_t threads) { moebench_cpu::g_pool_threads.store(static_cast<int>(std::max<int64_t>(0, threads))); }
 
+// A decode step's threads, as a context manager a session makes once (engine/decode_path.py) and
+// enters around each decode step: with the pool on, the pool gets torch's thread count and torch one
+// thread for the step (an op that opened an OpenMP team with torch at two threads, an argmax over
+// the logits, left libgomp's worker spinning for milliseconds on the core the pool's worker needed:
+// docs/cpu-decode.md). Inside, it counts the step by the threads it then runs on, read here, where
+// the step runs: the evidence of what the pool did, not of what was asked.
+class StepThreads {
+ public:
+  explicit StepThreads(bool pool) : pool_(pool) {}
+
+  StepThreads& enter() {
+    torch_threads_ = at::get_num_threads();
+    switched_ = pool_ && torch_threads_ > 1;
+    if (switched_) {
+      moebench_cpu::g_pool_threads.store(torch_threads_);
+      at::set_num_threads(1);
+    }
+    const std::string key = "pool=" + std::to_string(moebench_cpu::step_threads()) +
+                            " torch=" + std::to_string(at::get_num_threads());
+    ++seen_[key];
+    return *this;
+  }
+
+  void exit() {
+    if (!switched_) return;
+    at::set_num_threads(torch_threads_);
+    moebench_cpu::g_pool_threads.store(0);
+    switched_ = false;
+  }
+
+  pybind11::dict seen() const {
+    pybind11::dict d;
+    for (const auto& [key, steps] : seen_) d[pybind11::str(key)] = steps;
+    return d;
+  }
+
+ private:
+  bool pool_;
+  bool switched_ = false;
+  int torch_threads_ = 1;
+  std::map<std::string, int64_t> seen_;
+};
+
 }  // namespace
 
 void register_dense(pybind11::module& m) {
   m.def("set_pool_threads", &set_pool_threads,
-        "Threads of the step's parallel sections (0: torch's thread count), see cpu_dense.decode_threads");
+        "Threads of the step's parallel sections (0: torch's thread count), see StepThreads");
   m.def("pool_threads", &moebench_cpu::step_threads, "Threads the step's parallel sections use now");
+  pybind11::class_<StepThreads>(m, "StepThreads",
+                                "Around a decode step: the step's threads to the pool (pool=True) and the step "
+                                "counted by the threads it ran on (seen)")
+      .def(pybind11::init<bool>(), pybind11::arg("pool"))
+      .def("__enter__", &StepThreads::enter, pybind11::return_value_policy::reference)
+      .def("__exit__", [](StepThreads& s, pybind11::args) { s.exit(); return false; })
+      .def("seen", &StepThreads::seen, "Decode steps by the threads they ran on, 'pool=P torch=T'");
   m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("lm_head_linear", &lm_head_linear,
