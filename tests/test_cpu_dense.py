@@ -162,6 +162,14 @@ def test_bad_shapes_are_refused(ext):
         ext.dense_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
 
 
+def test_back_to_back_sections_run_each_item_once_and_end_after_them(ext):
+    """A worker that read the last claim of a section while the caller already published the next
+    section's larger item count used to claim a stale item, so that the next section ended with an
+    item still running (a crash in a decode step at batch 4, one run in three). 200k sections of
+    changing sizes catch it in a tenth of a second."""
+    assert ext.pool_selftest(200_000, 2) == 0
+
+
 def test_step_threads_hand_torch_threads_to_the_pool_and_count_what_ran(ext, threads):
     torch.set_num_threads(2)
     step = ext.StepThreads(True)

@@ -97,7 +97,9 @@ class Pool {
     ensure_workers(threads - 1);
     fn_ = fn;
     context_ = context;
-    items_ = n;
+    // released after the previous section's claim_ was closed (below): a worker that reads this
+    // count sees the closed claim_ too, so its exchange on an older claim fails
+    items_.store(n, std::memory_order_release);
     participants_ = threads - 1;
     done_.store(0, std::memory_order_relaxed);
     const uint32_t generation = generation_.load(std::memory_order_relaxed) + 1;
@@ -110,6 +112,12 @@ class Pool {
       spin_until([&] { return done_.load(std::memory_order_acquire) >= n; }, std::chrono::microseconds(1000000));
       while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();
     }
+    // Close the section. A worker may have read claim_ as (this generation, n) and be about to
+    // compare n with items_: were items_ already the next section's larger count, its exchange
+    // on the still-open claim_ would succeed, run the next section's fn_ on a stale item and count
+    // it in the next section's done_, which would then end with an item still running (its context
+    // gone: a crash in the worker).
+    claim_.store((static_cast<uint64_t>(generation) << 32) | kClosed, std::memory_order_release);
     sections_.fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -136,9 +144,9 @@ class Pool {
       uint64_t claim = claim_.load(std::memory_order_acquire);
       if (static_cast<uint32_t>(claim >> 32) != generation) return ran;
       const int64_t item = static_cast<int64_t>(claim & 0xffffffffu);
-      // items_ may already belong to a later section; the exchange below then fails (the
-      // generation in claim_ moved on), so reading it early is harmless
-      if (item >= items_) return ran;
+      // items_ may already belong to a later section; the exchange below then fails (claim_ was
+      // closed before items_ changed, see run)
+      if (item >= items_.load(std::memory_order_acquire)) return ran;
       if (!claim_.compare_exchange_weak(claim, claim + 1, std::memory_order_acq_rel)) continue;
       fn_(context_, item);
       ++ran;
@@ -163,13 +171,14 @@ class Pool {
   std::mutex section_;
   std::vector<std::thread> workers_;
   const std::chrono::microseconds spin_;
+  static constexpr uint64_t kClosed = 0xffffffffu;  // claim_'s item once its section ended: never claimable
   alignas(64) std::atomic<uint64_t> claim_{0};  // (generation << 32) | next unclaimed item
   alignas(64) std::atomic<int64_t> done_{0};
   alignas(64) std::atomic<uint32_t> generation_{0};  // the futex word workers sleep on
   std::atomic<int> sleepers_{0};
   ItemFn fn_ = nullptr;
   void* context_ = nullptr;
-  int64_t items_ = 0;
+  std::atomic<int64_t> items_{0};
   int participants_ = 0;
   std::atomic<int64_t> worker_items_{0};
   std::atomic<int64_t> sections_{0};
@@ -582,6 +591,29 @@ pybind11::dict pool_stats() {
   return d;
 }
 
+// Back-to-back parallel sections of changing sizes, as a decode step runs them, each item marking its
+// slot: returns how many sections ended with a slot unmarked or marked twice (the section returned
+// before its items were done, or an item ran twice). The pool's regression test.
+int64_t pool_selftest(int64_t sections, int64_t threads) {
+  TORCH_CHECK(sections >= 0 && threads >= 1, "pool_selftest: sections >= 0 and threads >= 1");
+  constexpr int64_t kMaxItems = 64;
+  std::vector<std::atomic<int>> marks(kMaxItems);
+  int64_t bad = 0;
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t s = 0; s < sections; ++s) {
+    const int64_t n = 2 + (s * 37) % (kMaxItems - 1);
+    for (int64_t i = 0; i < n; ++i) marks[i].store(0, std::memory_order_relaxed);
+    parallel_for(n, static_cast<int>(threads), [&](int64_t i) { marks[i].fetch_add(1, std::memory_order_relaxed); });
+    for (int64_t i = 0; i < n; ++i) {
+      if (marks[i].load(std::memory_order_relaxed) != 1) {
+        ++bad;
+        break;
+      }
+    }
+  }
+  return bad;
+}
+
 void set_pool_threads(int64_t threads) { moebench_cpu::g_pool_threads.store(static_cast<int>(std::max<int64_t>(0, threads))); }
 
 // A decode step's threads, as a context manager a session makes once (engine/decode_path.py) and
@@ -633,6 +665,8 @@ void register_dense(pybind11::module& m) {
   m.def("set_pool_threads", &set_pool_threads,
         "Threads of the step's parallel sections (0: torch's thread count), see StepThreads");
   m.def("pool_threads", &moebench_cpu::step_threads, "Threads the step's parallel sections use now");
+  m.def("pool_selftest", &pool_selftest, "Sections of a back-to-back run whose items were not each run once",
+        pybind11::arg("sections"), pybind11::arg("threads"));
   pybind11::class_<StepThreads>(m, "StepThreads",
                                 "Around a decode step: the step's threads to the pool (pool=True) and the step "
                                 "counted by the threads it ran on (seen)")
