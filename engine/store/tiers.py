@@ -114,17 +114,26 @@ def _moe_layers(ckpt) -> list[int]:
 _EXPERT_COPIES: dict[tuple, dict] = {}
 
 
+# A checkpoint's expert file dtype, read once: a session asks for it a few times, and parsing a large
+# checkpoint's safetensors header each time put tens of milliseconds (and the garbage collections
+# its objects set off) into every generate() call's timed region.
+_EXPERT_FILE_DTYPES: dict[int, torch.dtype] = {}
+
+
 def expert_file_dtype(ckpt) -> torch.dtype:
     """The dtype routed experts are stored in (the header of the file holding the first one; int8 for
     a checkpoint whose experts were packed in memory by --weights int8, engine/quantize.py)."""
     if getattr(ckpt, "weights", "f32") == "int8":
         return torch.int8
-    if ckpt.expert_sources:
+    if not ckpt.expert_sources:
+        return ckpt.checkpoint_dtype
+    key = id(ckpt)
+    if key not in _EXPERT_FILE_DTYPES:
         f, name = next(iter(ckpt.expert_sources.values()))[0]
         meta = read_safetensors_header(Path(f))[1].get(name, {})
-        if meta.get("dtype") in _DTYPES:
-            return _DTYPES[meta["dtype"]]
-    return ckpt.checkpoint_dtype
+        _EXPERT_FILE_DTYPES[key] = _DTYPES.get(meta.get("dtype"), ckpt.checkpoint_dtype)
+        weakref.finalize(ckpt, _EXPERT_FILE_DTYPES.pop, key, None)
+    return _EXPERT_FILE_DTYPES[key]
 
 
 def experts_in(ckpt, dtype: torch.dtype, device="cpu", pin: bool = False) -> dict:

@@ -35,6 +35,7 @@ prompts (transformers runs once, batched, before any timing, and is then freed).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
@@ -65,6 +66,14 @@ MANIFEST_SCHEMA = "moebench.bench-engine/1"
 # ------------------------------------------------------------------------------ engines
 
 
+def collect_garbage_before_timing() -> None:
+    """A full garbage collection before an in-process engine's timed run, outside it: a collection
+    that the run's own allocations would set off inside it takes tens to hundreds of milliseconds
+    with a large model's objects alive, which the decode rate's subtraction (1 token against N)
+    turns into a rate far off in either direction."""
+    gc.collect()
+
+
 class BundledSide:
     """The bundled runtime in this process (with an LM head in `lm_head` precision)."""
 
@@ -86,6 +95,7 @@ class BundledSide:
                                                        batch_size=len(prompts), max_new_tokens=new_tokens,
                                                        lm_head=self.lm_head, weights=self.weights))
         reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
+        collect_garbage_before_timing()
         start = time.perf_counter()
         result = engine.generate(reqs, prompt_ids=prompts)
         seconds = time.perf_counter() - start
@@ -119,6 +129,7 @@ class TransformersSide:
 
         torch.set_num_threads(threads)
         ids = torch.tensor(prompts)
+        collect_garbage_before_timing()
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -368,8 +379,6 @@ def bench_engine(
         raise MoebenchError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     if gguf_dtype is not None and gguf_dtype not in WEIGHT_DTYPES:
         raise MoebenchError(f"--gguf-dtype {gguf_dtype!r}: choose from {', '.join(WEIGHT_DTYPES)}")
-
-    import gc
 
     import torch  # here, not at the top: `moebench --help` imports this module
 
