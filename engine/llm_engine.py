@@ -4,8 +4,8 @@ finished requests leave. Every step is recorded; every strategy reports its acti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
