@@ -139,8 +139,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--weights", default="f32", help="f32 or int8 (--weights of run and bench-engine)")
+    parser.add_argument("--lm-head", default="f32", help="f32, bf16, int8 or fp8 (--lm-head)")
+    parser.add_argument("--experts-as-stored", action="store_true",
+                        help="keep a bfloat16 checkpoint's experts bfloat16, as run and bench-engine load them")
     args = parser.parse_args()
-    ckpt = load_checkpoint(args.model)
+    ckpt = load_checkpoint(args.model, experts_in_checkpoint_dtype=args.experts_as_stored)
     instrument(ckpt.config.vocab_size)
     batches = [int(b) for b in args.batch.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -150,7 +154,8 @@ def main() -> None:
         for b in batches:
             torch.set_num_threads(threads)
             engine = Engine(ckpt, None, RuntimeConfig(kernel="fused", scheduler="static", batch_size=b,
-                                                      max_new_tokens=args.new_tokens))
+                                                      max_new_tokens=args.new_tokens, weights=args.weights,
+                                                      lm_head=args.lm_head))
             engine.generate([Request(f"w{i}", "", 4) for i in range(b)], prompt_ids=prompts[:b])  # warm-up
             parts.clear()
             pool_before = cpu_dense.pool_stats() or {}
