@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from moebench.measuring.bench_engine import decode_rate, first_difference, identical_count, round_interval
+from moebench.measuring.bench_engine import (decode_rate, first_difference, identical_count, round_interval,
+                                             step_timed_disagreements, step_timed_rate)
 from moebench.cli.app import main
 from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
@@ -36,6 +37,20 @@ def test_decode_rate_subtracts_the_one_token_run():
     # 4 sequences, 9 tokens each: 4 * 8 decode tokens in 2.0 - 0.4 s
     assert decode_rate(4, 9, 0.4, 2.0) == pytest.approx(32 / 1.6)
     assert math.isnan(decode_rate(4, 9, 0.5, 0.5))  # noise larger than the decode: no figure
+
+
+def test_step_timed_rate_counts_decode_steps_only_and_flags_rounds_far_off_it():
+    steps = [{"phase": "prefill", "duration_s": 5.0, "decode_tokens": 0},
+             {"phase": "decode", "duration_s": 0.5, "decode_tokens": 4},
+             {"phase": "decode", "duration_s": 1.5, "decode_tokens": 4}]
+    assert step_timed_rate(steps) == pytest.approx(8 / 2.0)
+    assert math.isnan(step_timed_rate(steps[:1]))
+    row = {"threads": 1, "batch": 4, "engines": {
+        "moebench": {"decode_tok_s_rounds": [100.0, 140.0, float("nan")],
+                     "decode_tok_s_step_timed_rounds": [105.0, 100.0, 100.0]},
+        "llama-batched-bench": {"decode_tok_s_rounds": [50.0]}}}
+    assert step_timed_disagreements([row]) == [
+        "moebench, 1 thread(s), batch 4, round 2: 140.0 tok/s by subtraction against 100.0 by its own step times"]
 
 
 def test_greedy_comparison_counts_and_locates_differences():
@@ -81,6 +96,11 @@ def _check_manifest(path, other: str, batches, threads, engines=None):
         assert row["best_bandwidth_gb_s"] == max(max(p.values()) for p in row["bandwidth_by_reader_probes"])
         for name, figures in row["engines"].items():
             assert len(figures["decode_tok_s_rounds"]) == manifest["repeats"]
+            if name.startswith("moebench"):  # the runtime's own clock beside the subtraction
+                assert len(figures["decode_tok_s_step_timed_rounds"]) == manifest["repeats"]
+                assert all(r > 0 for r in figures["decode_tok_s_step_timed_rounds"])
+            else:
+                assert "decode_tok_s_step_timed_rounds" not in figures
             # each run against the bandwidth of its own minute (and its own bytes), and the median of those
             paired = [rate * figures["bytes_per_step"] / (row["batch"] * gb_s * 1e9)
                       for rate, gb_s in zip(figures["decode_tok_s_rounds"], figures["bandwidth_gb_s_rounds"], strict=True)]

@@ -240,6 +240,31 @@ def decode_rate(batch: int, new_tokens: int, short_s: float, long_s: float) -> f
     return batch * (new_tokens - 1) / (long_s - short_s) if long_s > short_s else float("nan")
 
 
+def step_timed_rate(steps: list[dict]) -> float:
+    """Decode tokens/s by the runtime's own clock: the tokens its decode steps emitted over the time
+    those steps took (NaN without a decode step). The cross-check of decode_rate's subtraction, which
+    also counts what a run does around its steps (setting up, collecting garbage)."""
+    decode = [s for s in steps if s["phase"] == "decode"]
+    seconds = sum(s["duration_s"] for s in decode)
+    return sum(s["decode_tokens"] for s in decode) / seconds if seconds > 0 else float("nan")
+
+
+STEP_TIMED_TOLERANCE = 0.15  # a round's subtraction this far off its step-timed rate is called out
+
+
+def step_timed_disagreements(rows: list[dict]) -> list[str]:
+    """A line per in-process engine's round whose subtraction rate is off its step-timed rate by more
+    than STEP_TIMED_TOLERANCE: something outside the steps (another process, a pause) moved it."""
+    lines = []
+    for row in rows:
+        for name, e in row["engines"].items():
+            for i, (rate, timed) in enumerate(zip(e["decode_tok_s_rounds"], e.get("decode_tok_s_step_timed_rounds", []))):
+                if math.isfinite(rate) and math.isfinite(timed) and abs(rate / timed - 1) > STEP_TIMED_TOLERANCE:
+                    lines.append(f"{name}, {row['threads']} thread(s), batch {row['batch']}, round {i + 1}: "
+                                 f"{rate:.1f} tok/s by subtraction against {timed:.1f} by its own step times")
+    return lines
+
+
 def decode_bytes_per_step(steps: list[dict]) -> float:
     """Mean bytes read per decode step, from the runtime's step records."""
     decode = [s["bytes_read"] for s in steps if s["phase"] == "decode"]
@@ -483,6 +508,7 @@ def bench_engine(
                             cell["tokens"] = tokens
                             if isinstance(side, BundledSide):
                                 bytes_per_step[(b, side.name)].append(decode_bytes_per_step(side.last_steps))
+                                cell.setdefault("step_rates", []).append(step_timed_rate(side.last_steps))
                             if side is bundled and not isinstance(others[0], BundledSide):
                                 swapped_bytes[b].append(other_bytes_per_step(side.last_steps, our_weights,
                                                                              their_weights, moe_layers))
@@ -511,7 +537,9 @@ def bench_engine(
                                 "roofline_fraction_interval": round_interval(fractions),
                                 "roofline_fraction_of_best_probe": _median(cell["rates"]) * step_bytes / (b * best * 1e9),
                                 "greedy_identical_to_transformers": None if tokens is None else identical_count(tokens, reference[:b]),
-                                "first_difference": None if tokens is None else first_difference(tokens, reference[:b])}
+                                "first_difference": None if tokens is None else first_difference(tokens, reference[:b]),
+                                **({"decode_tok_s_step_timed": _median(cell["step_rates"]),
+                                    "decode_tok_s_step_timed_rounds": cell["step_rates"]} if "step_rates" in cell else {})}
 
                     rows.append({
                         "threads": t, "batch": b, "bytes_per_step": step_bytes, "bandwidth_gb_s": bandwidth,
@@ -533,6 +561,8 @@ def bench_engine(
         weight_note = f"{bundled.name} {dtype if weights == 'f32' else weights}, {vs_name} " + (
             gguf_dtype if vs == "llama.cpp" else "f32" if isinstance(others[0], TransformersSide) else dtype)
         print_table(console, rows, ckpt, prompt_len, new_tokens, repeats, others, bundled, weight_note)
+        for line in step_timed_disagreements(rows):
+            console.print(line, markup=False, highlight=False)
         if out is not None:
             from moebench.fileio import atomic_write_json
 
