@@ -7,6 +7,8 @@ import numpy as np
 import torch
 
 STEP_KEYS = ("expert_hits", "expert_misses", "prefetch_issued", "prefetch_hits", "bytes_loaded", "stall_s")
+# a step in which nothing was looked up, loaded or waited for
+EMPTY_STEP = {**dict.fromkeys(STEP_KEYS, 0), "stall_s": 0.0}
 
 
 class ExpertStore:
@@ -28,8 +30,7 @@ class Counters:
     """Per-step counters (reset by take_step) plus run totals, both fed by the same `add`."""
 
     def __init__(self, extra_total_keys=()):
-        self.step = dict.fromkeys(STEP_KEYS, 0)
-        self.step["stall_s"] = 0.0
+        self.step = dict(EMPTY_STEP)
         self.total = dict(self.step)
         for k in extra_total_keys:
             self.total[k] = 0
@@ -41,8 +42,7 @@ class Counters:
 
     def take_step(self) -> dict:
         out = self.step
-        self.step = dict.fromkeys(STEP_KEYS, 0)
-        self.step["stall_s"] = 0.0
+        self.step = dict(EMPTY_STEP)
         return out
 
 

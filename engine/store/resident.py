@@ -6,10 +6,7 @@ import torch
 
 from moebench.engine import memory
 from moebench.engine.store.tiers import experts_in
-from moebench.engine.store.base import STEP_KEYS, ExpertStore, dtype_name, host_ids, memory_evidence
-
-# a step's counters but hits, which a resident store never has (it loads nothing, never waits)
-NOTHING_LOADED = {**dict.fromkeys(STEP_KEYS, 0), "stall_s": 0.0}
+from moebench.engine.store.base import EMPTY_STEP, ExpertStore, dtype_name, host_ids, memory_evidence
 
 
 class ResidentStore(ExpertStore):
@@ -53,7 +50,7 @@ class ResidentStore(ExpertStore):
 
     def take_step(self):
         hits, self._step_hits = self._step_hits, 0
-        return {**NOTHING_LOADED, "expert_hits": hits}
+        return {**EMPTY_STEP, "expert_hits": hits}  # it loads nothing, never waits
 
     def evidence(self):
         return {"store": "resident", "expert_budget": self.budget, "expert_hits": self.hits,
