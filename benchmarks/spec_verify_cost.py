@@ -17,7 +17,13 @@ that ratio.
 (the model keeps its hidden states) and adds the head's forward over one row per sequence (a
 chained draft) and two (catching up after one accepted draft): an MTP verify step with K drafts
 costs the verify forward plus about K head forwards.
-"""
+
+Each forward's bytes (experts the rows routed to, as the engine counts them for a step's
+`bytes_read`, plus the other weights and the K/V read) and the machine's read bandwidth give its
+floor: no forward reads its bytes faster than the bandwidth allows. The floor's ratio to the plain
+forward as measured bounds the verify ratio from below whatever the code: a sparse MoE's extra rows
+route to experts of their own, so a verify forward reads more than a plain one.
+""" 
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def _load(model: str, layers: int | None, tmp: Path):
@@ -65,6 +72,10 @@ def main() -> None:
     from moebench.engine.model import build_forward_batch
 
     torch.set_num_threads(1)
+    from moebench.measuring.machine import measure_read_bandwidth_gb_s
+
+    bandwidth = measure_read_bandwidth_gb_s()
+    print(f"read bandwidth {bandwidth:.1f} GB/s (harness/measuring/machine.py, huge pages)")
     with tempfile.TemporaryDirectory(prefix="moebench-spec-cost-") as tmp:
         ckpt = _load(args.model, args.layers, Path(tmp))
         rt = RuntimeConfig(kernel=args.kernel, decode_path=args.decode_path, batch_size=max(args.batch))
@@ -110,6 +121,16 @@ def main() -> None:
                     tabs = [tables[seq] for seq in range(b) for _ in range(rows)]
                     hid = torch.randn(b * rows, H, generator=g)
                     runs[f"head{rows}"] = lambda t=toks, h=hid, p=pos, tb=tabs: head.forward(t, h, p, tb)
+            # bytes per forward: the routed experts of each forward as the engine counts them
+            reads = {}
+            for k, fb in batches.items():
+                session.stats.take_step()
+                with step_context(session.model):
+                    session.model.forward(fb, session.kv)
+                routing = session.stats.take_step()
+                seqs = [SimpleNamespace(prompt_ids=[0] * (args.context + 1), output_ids=[]) for _ in range(b)]
+                reread = b * (k * (args.context + 1) + k * (k + 1) // 2)  # the draft rows' context reads
+                reads[k] = (routing["distinct_experts"], engine._bytes_read(routing, seqs, reread))
             times = {k: [] for k in runs}
             for _ in range(args.rounds):
                 for k, run in runs.items():
@@ -133,6 +154,11 @@ def main() -> None:
             cells += [f"MTP head, {k[4:]} row(s) per sequence: {statistics.median(times[k]):.3f} ms ({ratio(k)})"
                       for k in runs if str(k).startswith("head")]
             print(f"batch {b:>3}: " + ", ".join(cells))
+            floor = {k: reads[k][1] / bandwidth / 1e6 for k in reads}  # ms at the read bandwidth
+            print("           bytes: " + ", ".join(
+                f"{'plain' if k == 0 else f'K={k}'} {reads[k][1] / 1e6:.1f} MB ({reads[k][0]:.1f} experts per MoE layer, "
+                f"floor {floor[k]:.3f} ms" + ("" if k == 0 else f" = {floor[k] / plain:.2f}x the plain forward as measured") + ")"
+                for k in reads))
             for table in tables:
                 session.block_manager.free(table)
         session.close()

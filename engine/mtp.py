@@ -88,6 +88,12 @@ def _read_mtp(ckpt, index: TensorIndex) -> MtpWeights:
     def get(name: str, *shape: int) -> torch.Tensor:
         return index.get(f"{p}.{name}", shape).to(device=device, dtype=dtype)
 
+    def matrix(name: str, *shape: int) -> torch.Tensor:
+        # held as the main model holds its dense matrices (Checkpoint.dense_dtype: a bfloat16 file's
+        # own bfloat16 where the CPU kernels stream it, widened in registers): the same values as
+        # the float32 copy at half the bytes a draft reads
+        return index.get(f"{p}.{name}", shape).to(device=device, dtype=ckpt.dense_dtype)
+
     def shape_of(name: str) -> tuple[int, ...]:
         full = f"{p}.{name}"
         return tuple(index._open(index.file_of(full)).get_slice(full).get_shape())
@@ -95,8 +101,8 @@ def _read_mtp(ckpt, index: TensorIndex) -> MtpWeights:
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     block = LayerWeights(
         input_norm=get("input_layernorm.weight", H), post_attention_norm=get("post_attention_layernorm.weight", H),
-        q_proj=get("self_attn.q_proj.weight", q_out, H), k_proj=get("self_attn.k_proj.weight", kv_out, H),
-        v_proj=get("self_attn.v_proj.weight", kv_out, H), o_proj=get("self_attn.o_proj.weight", H, q_out))
+        q_proj=matrix("self_attn.q_proj.weight", q_out, H), k_proj=matrix("self_attn.k_proj.weight", kv_out, H),
+        v_proj=matrix("self_attn.v_proj.weight", kv_out, H), o_proj=matrix("self_attn.o_proj.weight", H, q_out))
     if cfg.attention_bias:
         block.q_bias = get("self_attn.q_proj.bias", q_out)
         block.k_bias = get("self_attn.k_proj.bias", kv_out)
@@ -113,10 +119,10 @@ def _read_mtp(ckpt, index: TensorIndex) -> MtpWeights:
         block.w2 = torch.stack([get(d[strip:], H, I) for _, _, d in names])
     else:  # a dense SwiGLU MLP (the bundled model's head), its width read from the file
         D = shape_of("mlp.gate_proj.weight")[0]
-        block.dense_w13 = torch.cat([get("mlp.gate_proj.weight", D, H), get("mlp.up_proj.weight", D, H)])
-        block.dense_w2 = get("mlp.down_proj.weight", H, D)
+        block.dense_w13 = torch.cat([matrix("mlp.gate_proj.weight", D, H), matrix("mlp.up_proj.weight", D, H)])
+        block.dense_w2 = matrix("mlp.down_proj.weight", H, D)
     block.stack_qkv()
-    return MtpWeights(L, get("enorm.weight", H), get("hnorm.weight", H), get("eh_proj.weight", H, 2 * H),
+    return MtpWeights(L, get("enorm.weight", H), get("hnorm.weight", H), matrix("eh_proj.weight", H, 2 * H),
                       get("shared_head.norm.weight", H), block)
 
 
@@ -365,5 +371,6 @@ class MtpDrafter:
 
     def evidence(self) -> dict:
         return {"drafter": "mtp", "head_layer": self.head.w.layer_index, "head_params": self.head.w.num_params,
+                "head_matrices_dtype": str(self.head.w.eh_proj.dtype).replace("torch.", ""),
                 "head_forwards": self.forwards, "head_rows": self.rows, "head_chained_rows": self.chained_rows,
                 "draft_s": round(self.seconds, 6), "head_attention": dict(self.head.attention_backends)}
