@@ -51,6 +51,24 @@ def _load(model: str, layers: int | None, tmp: Path):
     return load_checkpoint(Path(model))
 
 
+def _float32_copy(head):
+    """The head with its matrices widened to float32 (the same values), or None where they already are."""
+    import copy
+
+    import torch
+
+    from moebench.engine.mtp import MtpHead
+
+    if head.w.eh_proj.dtype == torch.float32:
+        return None
+    w = copy.deepcopy(head.w)
+    for name in ("qkv_proj", "o_proj", "dense_w13", "dense_w2"):
+        if getattr(w.block, name) is not None:
+            setattr(w.block, name, getattr(w.block, name).float().contiguous())
+    w.eh_proj = w.eh_proj.float()
+    return MtpHead(w, head.model, head.kv.num_blocks, head.kv.block_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bundled", help="bundled, random-0.89b, or a checkpoint directory")
@@ -86,6 +104,7 @@ def main() -> None:
             from moebench.engine.mtp import make_mtp_drafter
 
             head = make_mtp_drafter(ckpt, session.model, session.block_manager.num_blocks, rt.kv_block_size).head
+            head_f32 = _float32_copy(head)  # the head as it was held before (docs/speculative.md)
         g = torch.Generator().manual_seed(0)
         vocab = ckpt.config.vocab_size
         print(f"model {args.model}: {ckpt.config.num_layers} layers, hidden {ckpt.config.hidden_size}, vocab {vocab}; "
@@ -121,6 +140,8 @@ def main() -> None:
                     tabs = [tables[seq] for seq in range(b) for _ in range(rows)]
                     hid = torch.randn(b * rows, H, generator=g)
                     runs[f"head{rows}"] = lambda t=toks, h=hid, p=pos, tb=tabs: head.forward(t, h, p, tb)
+                    if head_f32 is not None:
+                        runs[f"head{rows}f32"] = lambda t=toks, h=hid, p=pos, tb=tabs: head_f32.forward(t, h, p, tb)
             # bytes per forward: the routed experts of each forward as the engine counts them
             reads = {}
             for k, fb in batches.items():
@@ -151,8 +172,8 @@ def main() -> None:
 
             cells = [f"plain {plain:.3f} ms"] + [f"K={k}: {statistics.median(times[k]):.3f} ms ({ratio(k)})"
                                                  for k in args.k]
-            cells += [f"MTP head, {k[4:]} row(s) per sequence: {statistics.median(times[k]):.3f} ms ({ratio(k)})"
-                      for k in runs if str(k).startswith("head")]
+            cells += [f"MTP head{' (float32 copy)' if k.endswith('f32') else ''}, {k[4:].removesuffix('f32')} row(s) per "
+                      f"sequence: {statistics.median(times[k]):.3f} ms ({ratio(k)})" for k in runs if str(k).startswith("head")]
             print(f"batch {b:>3}: " + ", ".join(cells))
             floor = {k: reads[k][1] / bandwidth / 1e6 for k in reads}  # ms at the read bandwidth
             print("           bytes: " + ", ".join(
