@@ -23,7 +23,7 @@ Each forward's bytes (experts the rows routed to, as the engine counts them for 
 floor: no forward reads its bytes faster than the bandwidth allows. The floor's ratio to the plain
 forward as measured bounds the verify ratio from below whatever the code: a sparse MoE's extra rows
 route to experts of their own, so a verify forward reads more than a plain one.
-""" 
+"""
 
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ def main() -> None:
     from moebench.engine import Engine, RuntimeConfig
     from moebench.engine.decode_path import step_context
     from moebench.engine.model import build_forward_batch
+    from moebench.engine.speculative import draft_context_reads
 
     torch.set_num_threads(1)
     from moebench.measuring.machine import measure_read_bandwidth_gb_s
@@ -150,8 +151,8 @@ def main() -> None:
                     session.model.forward(fb, session.kv)
                 routing = session.stats.take_step()
                 seqs = [SimpleNamespace(prompt_ids=[0] * (args.context + 1), output_ids=[]) for _ in range(b)]
-                reread = b * (k * (args.context + 1) + k * (k + 1) // 2)  # the draft rows' context reads
-                reads[k] = (routing["distinct_experts"], engine._bytes_read(routing, seqs, reread))
+                reread = b * draft_context_reads(args.context, k)
+                reads[k] = (routing["distinct_experts"], engine.bytes_read(routing, seqs, reread))
             times = {k: [] for k in runs}
             for _ in range(args.rounds):
                 for k, run in runs.items():

@@ -21,7 +21,7 @@ from moebench.engine.sampling import sample_token_ids
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
 from moebench.engine.mtp import make_mtp_drafter
-from moebench.engine.speculative import make_speculator
+from moebench.engine.speculative import draft_context_reads, make_speculator
 from moebench.errors import MoebenchError
 from moebench.engine.decode_path import step_context
 
@@ -93,7 +93,7 @@ class Engine:
         self.runtime = runtime
         self.torch_dtype = runtime.torch_dtype  # (a property of the frozen runtime: read once, not per step)
         self.eos_ids = set(self.cfg.eos_token_ids)
-        self._read_sizes = None  # see _bytes_read
+        self._read_sizes = None  # see bytes_read
         self._stop_tokens: dict = {}  # (stop strings, token id) -> can it end one (see _may_end_in_stop)
         if tokenizer is not None and not self.eos_ids:
             for name in ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>"):
@@ -167,7 +167,7 @@ class Engine:
         reread = 0  # context tokens a verify step's draft rows read again (row j: num_cached + j + 1)
         if verify:
             rows, cached, tables, lens = speculator.rows(seqs, new_tokens, drafts)
-            reread = sum(len(d) * (s.num_cached + 1) + len(d) * (len(d) + 1) // 2 for s, d in zip(seqs, drafts))
+            reread = sum(draft_context_reads(s.num_cached, len(d)) for s, d in zip(seqs, drafts))
             if hasattr(scheduler, "tokens_ran"):
                 scheduler.tokens_ran(lens)
         else:
@@ -241,7 +241,7 @@ class Engine:
             **store.take_step(),
             **(speculator.take_step() if speculator else {}),
         }
-        record["bytes_read"] = self._bytes_read(stats_experts=routing, seqs=seqs, reread_tokens=reread)
+        record["bytes_read"] = self.bytes_read(stats_experts=routing, seqs=seqs, reread_tokens=reread)
         return record
 
     @staticmethod
@@ -262,7 +262,7 @@ class Engine:
             counts["greedy_positions"] += len(seqs) - drawn
         return ids
 
-    def _bytes_read(self, stats_experts: dict, seqs, reread_tokens: int = 0) -> int:
+    def bytes_read(self, stats_experts: dict, seqs, reread_tokens: int = 0) -> int:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
         cfg = self.cfg
         if self._read_sizes is None:  # per-model constants, worked out once

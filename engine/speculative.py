@@ -82,6 +82,12 @@ def check_spec(method: str, tokens: int, max_batch: int | None) -> None:
         raise MoebenchError(f"--spec-max-batch must be an integer >= 1 (or unset), got {max_batch!r}")
 
 
+def draft_context_reads(num_cached: int, drafts: int) -> int:
+    """Context tokens a verifying sequence's draft rows read besides its last token's row: draft row j
+    (1..drafts) attends to num_cached + j + 1 positions."""
+    return drafts * (num_cached + 1) + drafts * (drafts + 1) // 2
+
+
 def ngram_draft(ids: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
     """Prompt-lookup drafting: the longest suffix of `ids` (max_n tokens down to 1) that occurred
     earlier in `ids`, at its most recent earlier occurrence, proposes the (up to k) tokens that

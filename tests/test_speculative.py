@@ -273,3 +273,12 @@ def test_run_ablates_the_speculative_axis_with_its_evidence(tmp_path, monkeypatc
     summary = {c["name"]: c for c in json.loads((d / "summary.json").read_text())["configs"]}
     spec = summary["speculative=ngram"]["activation"]["evidence"]["speculative"]
     assert spec["tokens_per_verify"] > 1 and spec["acceptance_by_position"][0] > 0
+
+
+def test_draft_rows_read_their_own_causal_context():
+    """Draft row j of a sequence with num_cached tokens cached attends to num_cached + j + 1 positions."""
+    from moebench.engine.speculative import draft_context_reads
+
+    for cached in (0, 7, 160):
+        for k in range(6):
+            assert draft_context_reads(cached, k) == sum(cached + j + 1 for j in range(1, k + 1))
