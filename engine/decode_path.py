@@ -77,13 +77,15 @@ class DecodePath:
                 "streamed_dots": self.streamed_dots()}
 
     def streamed_dots(self) -> dict | None:
-        """Which kernel the extension's streamed dot products ran in this process (avx512 or avx2,
-        kernels/csrc/cpu_common.h) and the weight rows each streamed since this session started (its
-        step_context), as the extension counted them; None before that or without the extension."""
+        """Which kernel the extension's streamed dot products and dense tiles ran in this process
+        (avx512 or avx2, kernels/csrc/cpu_common.h) and the weight rows each streamed (1-3 tokens) or
+        tiled (4+) since this session started (its step_context), as the extension counted them; None
+        before that or without the extension."""
         if not self._ext or self._streams_start is None:
             return None
         now = dict(self._ext.simd_stats())
-        return {"kernel": now["streams"], **{k: now[k] - self._streams_start[k] for k in ("avx512_rows", "avx2_rows")}}
+        counted = [k for k in now if k.endswith("_rows")]
+        return {"kernel": now["streams"], **{k: now[k] - self._streams_start.get(k, 0) for k in counted}}
 
 
 def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:

@@ -1,9 +1,10 @@
 """The decode-time dot products' AVX-512 kernel (kernels/csrc/cpu_common.h: dot_streams_avx512) gives
 the AVX2 kernel's results bit for bit: the dense projections, the LM head (float32, bfloat16, int8
 and fp8 rows with their scales), int8 rows that carry their scale, and the fused MoE op, at 1-3
-tokens (the streamed rows) and at 16, on odd widths (every tail path). Each kernel runs in its own
-process (the choice is made once per process; MOEBENCH_AVX512=0 keeps AVX2), which also reports the
-rows it streamed with each kernel (simd_stats, the activation evidence)."""
+tokens (the streamed rows) and at 4-16 (the dense tiles: with AVX-512 they take up to 6 tokens a
+pass in its 32 registers, with AVX2 up to 3), on odd widths (every tail path). Each kernel runs in
+its own process (the choice is made once per process; MOEBENCH_AVX512=0 keeps AVX2), which also
+reports the rows it streamed and tiled with each kernel (simd_stats, the activation evidence)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ out = {}
 for k in (1024, 200, 77):
     for m in (64, 13):
         w = torch.randn(m, k, generator=g)
-        for n in (1, 2, 3, 16):
+        for n in (1, 2, 3, 4, 5, 7, 13, 16, 23):
             x = torch.randn(n, k, generator=g)
             out[f"f32 {k} {m} {n}"] = ext.dense_linear(x, w, None)
             out[f"bf16 {k} {m} {n}"] = ext.dense_linear(x, w.bfloat16(), None)
@@ -37,7 +38,7 @@ for k in (1024, 200, 77):
                 out[f"head {dtype} {k} {m} {n}"] = ext.lm_head_linear(x, q, scale)
 E, H, I = 8, 256, 96
 w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 16, torch.randn(E, H, I, generator=g) / 16
-for n in (1, 2, 3, 16):
+for n in (1, 2, 3, 5, 7, 16):
     x = torch.randn(n, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(n)])
     tw = torch.rand(n, 2, generator=g)
@@ -69,11 +70,13 @@ def test_the_avx512_streams_give_the_avx2_results_bit_for_bit(tmp_path):
     avx2 = _run(tmp_path, "0")
     default = _run(tmp_path, None)
     assert avx2["simd"]["streams"] == "avx2" and avx2["simd"]["avx512_rows"] == 0 and avx2["simd"]["avx2_rows"] > 0
+    assert avx2["simd"]["avx512_tiled_rows"] == 0 and avx2["simd"]["avx2_tiled_rows"] > 0
     if not _cpu_has_avx512():
         assert default["simd"]["streams"] == "avx2"
         pytest.skip("this CPU has no AVX-512: only the AVX2 kernel ran")
     assert default["simd"]["streams"] == "avx512" and default["simd"]["avx512_rows"] > 0
     assert default["simd"]["avx2_rows"] == 0
+    assert default["simd"]["avx512_tiled_rows"] > 0 and default["simd"]["avx2_tiled_rows"] == 0
     assert avx2["out"].keys() == default["out"].keys()
     differ = [k for k, v in avx2["out"].items() if not torch.equal(v, default["out"][k])]
     assert differ == []

@@ -209,10 +209,15 @@ MOEBENCH_AVX512_TARGET void dot_streams_avx512(const W* const* w, const float* c
   finish_streams<F, S, U, T>(acc, w, x, k, K, o);
 }
 
-// Whether the streamed dots run the AVX-512 kernel in this process (decided once, dense_cpu.cpp),
-// and the rows each kernel streamed (index 1: AVX-512).
+// Whether the streamed dots, and the tiles of 4+ tokens (dense_cpu.cpp, moe_cpu.cpp), run the AVX-512
+// kernel in this process (decided once, dense_cpu.cpp), and the rows each kernel streamed or tiled
+// (index 1: AVX-512).
 bool avx512_streams();
 extern std::atomic<int64_t> g_streamed_rows[2];
+extern std::atomic<int64_t> g_tiled_rows[2];
+inline void count_tiled_rows(int64_t rows) {
+  g_tiled_rows[avx512_streams() ? 1 : 0].fetch_add(rows, std::memory_order_relaxed);
+}
 
 template <RowSum F, int S, int T, typename W>
 inline void dot_streams(const W* const* w, const float* const* x, int64_t K, float* o) {

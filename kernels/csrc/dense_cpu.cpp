@@ -47,6 +47,7 @@
 namespace moebench_cpu {
 
 std::atomic<int64_t> g_streamed_rows[2];
+std::atomic<int64_t> g_tiled_rows[2];
 
 bool avx512_streams() {
   static const bool on = [] {
@@ -268,27 +269,68 @@ class PackedTokens {
 // acc[r * lda + t] += w row r (rows ldw apart) times token t over [k0, k1), a multiple of 8 long;
 // x = token 0's vector of k-step k0 / 8 in PackedTokens.
 template <int T, typename W>
-inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t k0, int64_t k1, __m256* acc, int64_t lda) {
+__attribute__((always_inline)) inline void tile_chunk(const W* w, int64_t ldw, const float* x, int64_t k0, int64_t k1,
+                                                      __m256* acc, int64_t lda) {
   __m256 a[4][T];
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int t = 0; t < T; ++t) a[r][t] = acc[r * lda + t];
   for (int64_t k = k0; k < k1; k += 8, x += PackedTokens::kStepFloats) {
     __m256 xv[T];
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int t = 0; t < T; ++t) xv[t] = _mm256_load_ps(x + 8 * t);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const __m256 wv = load8(w + r * ldw + k);
-#pragma GCC unroll 3
+#pragma GCC unroll 6
       for (int t = 0; t < T; ++t) a[r][t] = _mm256_fmadd_ps(wv, xv[t], a[r][t]);
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int t = 0; t < T; ++t) acc[r * lda + t] = a[r][t];
+}
+
+// One chunk of a row group for the slab's n tokens, in token groups. AVX2 has 16 vector registers:
+// groups of 3 tokens (12 accumulators), and 2 pairs instead of a 3 and a 1 (a single token's 4
+// accumulators would wait on the FMA latency).
+template <typename W>
+void tile_groups_avx2(const W* w, int64_t ldw, const float* x, int64_t n, int64_t k0, int64_t k1, __m256* acc) {
+  const int64_t threes = n % 3 == 1 && n >= 4 ? n - 4 : n - n % 3;
+  int64_t t = 0;
+  for (; t < threes; t += 3) tile_chunk<3>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab);
+  for (; t + 2 <= n; t += 2) tile_chunk<2>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab);
+  if (t < n) tile_chunk<1>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab);
+}
+
+// Where the CPU has AVX-512, the same ymm instructions (AVX-512VL) with its 32 registers: groups of
+// up to 6 tokens (24 accumulators), as even as n allows, so a chunk of the 4 rows passes the FMAs
+// half as many times and 4-6 tokens take one pass. Every accumulator takes the same FMAs in the same
+// order as in the AVX2 groups: the sums are theirs bit for bit.
+template <typename W>
+MOEBENCH_AVX512_TARGET void tile_groups_avx512(const W* w, int64_t ldw, const float* x, int64_t n,
+                                               int64_t k0, int64_t k1, __m256* acc) {
+  const int64_t groups = (n + 5) / 6;
+  for (int64_t g = 0, t = 0; g < groups; ++g) {
+    const int64_t size = n / groups + (g < n % groups ? 1 : 0);
+    switch (size) {
+      case 6: tile_chunk<6>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab); break;
+      case 5: tile_chunk<5>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab); break;
+      case 4: tile_chunk<4>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab); break;
+      case 3: tile_chunk<3>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab); break;
+      case 2: tile_chunk<2>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab); break;
+      default: tile_chunk<1>(w, ldw, x + 8 * t, k0, k1, acc + t, kSlab); break;
+    }
+    t += size;
+  }
+}
+
+template <typename W>
+inline void tile_groups(const W* w, int64_t ldw, const float* x, int64_t n, int64_t k0, int64_t k1, __m256* acc) {
+  if (moebench_cpu::avx512_streams()) tile_groups_avx512(w, ldw, x, n, k0, k1, acc);
+  else tile_groups_avx2(w, ldw, x, n, k0, k1, acc);
 }
 
 constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
@@ -325,6 +367,7 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
   constexpr bool kWiden = std::is_same_v<W, int8_t> || std::is_same_v<W, c10::Float8_e4m3fn>;
   const int64_t q = (r1 - r0) / 4, K8 = K - K % 8;
   const int64_t chunk = kWiden || N >= kChunkFromTokens ? kChunk : std::max<int64_t>(K8, 8);
+  moebench_cpu::count_tiled_rows(4 * q);
   alignas(32) __m256 acc[4 * kSlab];
   alignas(32) float wide[kWiden ? 4 * kChunk : 8];
   for (int64_t i = 0; i < q; ++i) {
@@ -333,24 +376,16 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
       const int64_t n = std::min(kSlab, N - s0);
       const float* xs = x + s0 * ldx;
       for (auto& a : acc) a = _mm256_setzero_ps();
-      // groups of 3 tokens, and 2 pairs instead of a 3 and a 1 (a single token's 4 accumulators
-      // would wait on the FMA latency)
-      const int64_t threes = n % 3 == 1 && n >= 4 ? n - 4 : n - n % 3;
       for (int64_t k0 = 0; k0 < K8; k0 += chunk) {
         const int64_t k1 = std::min(K8, k0 + chunk);
-        int64_t t = 0;
         const float* xk = packed->vector(s0 / kSlab, k0 / 8, 0);
         if constexpr (kWiden) {
           for (int g = 0; g < 4; ++g)
             for (int64_t k = k0; k < k1; k += 8) _mm256_store_ps(wide + g * kChunk + k - k0, load8(rows + g * q * ldw + k));
-          for (; t < threes; t += 3) tile_chunk<3>(wide, kChunk, xk + 8 * t, 0, k1 - k0, acc + t, kSlab);
-          for (; t + 2 <= n; t += 2) tile_chunk<2>(wide, kChunk, xk + 8 * t, 0, k1 - k0, acc + t, kSlab);
-          if (t < n) tile_chunk<1>(wide, kChunk, xk + 8 * t, 0, k1 - k0, acc + t, kSlab);
-          continue;
+          tile_groups(static_cast<const float*>(wide), kChunk, xk, n, 0, k1 - k0, acc);
+        } else {
+          tile_groups(rows, q * ldw, xk, n, k0, k1, acc);
         }
-        for (; t < threes; t += 3) tile_chunk<3>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
-        for (; t + 2 <= n; t += 2) tile_chunk<2>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
-        if (t < n) tile_chunk<1>(rows, q * ldw, xk + 8 * t, k0, k1, acc + t, kSlab);
       }
       for (int g = 0; g < 4; ++g) {
         const W* row = rows + g * q * ldw;
@@ -569,13 +604,16 @@ double read_in_runs(torch::Tensor x) {
   return sum;
 }
 
-// The rows the streamed dots read with each kernel (cpu_common.h: dot_rows_streamed), and which one
-// this process runs: the activation evidence of the AVX-512 kernel.
+// The rows the streamed dots read with each kernel (cpu_common.h: dot_rows_streamed), the rows the
+// dense tiles read with each (4+ tokens: tile_groups), and which one this process runs: the
+// activation evidence of the AVX-512 kernels.
 pybind11::dict simd_stats() {
   pybind11::dict d;
   d["streams"] = moebench_cpu::avx512_streams() ? "avx512" : "avx2";
   d["avx2_rows"] = moebench_cpu::g_streamed_rows[0].load(std::memory_order_relaxed);
   d["avx512_rows"] = moebench_cpu::g_streamed_rows[1].load(std::memory_order_relaxed);
+  d["avx2_tiled_rows"] = moebench_cpu::g_tiled_rows[0].load(std::memory_order_relaxed);
+  d["avx512_tiled_rows"] = moebench_cpu::g_tiled_rows[1].load(std::memory_order_relaxed);
   return d;
 }
 
@@ -685,7 +723,7 @@ void register_dense(pybind11::module& m) {
         "scales; the LM head is in lm_head_stats)");
   m.def("lm_head_stats", &lm_head_stats, "LM-head projections run in the kernel so far, by weight dtype: calls and bytes streamed");
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
-  m.def("simd_stats", &simd_stats, "The streamed dots' kernel in this process (avx512 or avx2) and the rows each one read so far");
+  m.def("simd_stats", &simd_stats, "The streamed dots' and dense tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
         "spins not begun because the machine had more runnable threads than cores");
 }
