@@ -18,7 +18,8 @@
 // meets every token while it is in L1. Items are blocks of output rows; with up to 3 tokens the
 // block's rows are read as four runs side by side (four sequential streams, which one core reads
 // faster than one: dot_rows_streamed in cpu_common.h), with more, 4 rows x 3 tokens at a time (12
-// accumulators, each loaded weight vector feeds 3 FMAs) over chunks of K that stay in L1. torch's
+// accumulators, each loaded weight vector feeds 3 FMAs; up to 6 tokens with AVX-512's registers)
+// over chunks of K that stay in L1. torch's
 // matmul on these shapes (MKL) reaches a fraction of the read bandwidth and uses the second thread
 // poorly.
 
@@ -220,7 +221,7 @@ using moebench_cpu::parallel_for;
 
 // 4+ tokens. Each (row, token) has one 8-lane accumulator over k (lane j takes k = j mod 8, in
 // increasing k), summed across lanes at the end, then the K % 8 tail; rows are taken 4 at a time
-// and tokens up to 3 at a time (12 accumulators). With the whole of K in one pass, the 4 rows and
+// and tokens in groups (tile_groups: up to 3 with AVX2, up to 6 with AVX-512). With the whole of K in one pass, the 4 rows and
 // the token groups (28 KB at K = 1024 for one group, more for the next) did not stay in L1 and the
 // FMAs waited on L2 (docs/cpu-decode.md, "Batch 16: the dense projections in L1"); so K is taken in
 // chunks, 4 rows' and up to 16 tokens' chunks (20 KB) staying in L1 while every token group passes

@@ -100,8 +100,8 @@ __attribute__((always_inline)) inline void dot_tile(const W* const* w, const flo
 
 // Dots a group of 8 weight rows with n tokens (more than 3: an expert's share of a prefill), tile
 // by tile, calling epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token
-// t: two passes of 4 rows x 3 tokens, so each loaded weight vector feeds 3 FMAs; the rows stay in
-// L1/L2 between passes, so memory still sees each row once. pf: see dot_tile (only the first token
+// t: with AVX2, two passes of 4 rows x 3 tokens, so each loaded weight vector feeds 3 FMAs; the
+// rows stay in L1/L2 between passes, so memory still sees each row once (AVX-512: one pass, below). pf: see dot_tile (only the first token
 // tile prefetches; later tiles find the rows in cache). An expert with up to 3 tokens has its rows
 // read as streams instead (dot_rows_streamed, cpu_common.h), in a decode step or not.
 template <typename W, typename Epi>
