@@ -22,7 +22,9 @@ Each forward's bytes (experts the rows routed to, as the engine counts them for 
 `bytes_read`, plus the other weights and the K/V read) and the machine's read bandwidth give its
 floor: no forward reads its bytes faster than the bandwidth allows. The floor's ratio to the plain
 forward as measured bounds the verify ratio from below whatever the code: a sparse MoE's extra rows
-route to experts of their own, so a verify forward reads more than a plain one.
+route to experts of their own, so a verify forward reads more than a plain one. The ratio of the
+bytes is the verify's floor at the plain forward's own read rate: a bandwidth-bound verify that
+reads no faster than the plain forward does costs at least that many plain forwards.
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def main() -> None:
             floor = {k: reads[k][1] / bandwidth / 1e6 for k in reads}  # ms at the read bandwidth
             print("           bytes: " + ", ".join(
                 f"{'plain' if k == 0 else f'K={k}'} {reads[k][1] / 1e6:.1f} MB ({reads[k][0]:.1f} experts per MoE layer, "
-                f"floor {floor[k]:.3f} ms" + ("" if k == 0 else f" = {floor[k] / plain:.2f}x the plain forward as measured") + ")"
+                f"floor {floor[k]:.3f} ms" + ("" if k == 0 else f" = {floor[k] / plain:.2f}x the plain forward as measured; "
+                                                 f"{reads[k][1] / reads[0][1]:.2f}x its bytes") + ")"
                 for k in reads))
             for table in tables:
                 session.block_manager.free(table)
