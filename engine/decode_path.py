@@ -77,7 +77,7 @@ class DecodePath:
                 "streamed_dots": self.streamed_dots()}
 
     def streamed_dots(self) -> dict | None:
-        """Which kernel the extension's streamed dot products and dense tiles ran in this process
+        """Which kernel the extension's streamed dot products and tiles of 4+ tokens ran in this process
         (avx512 or avx2, kernels/csrc/cpu_common.h) and the weight rows each streamed (1-3 tokens) or
         tiled (4+) since this session started (its step_context), as the extension counted them; None
         before that or without the extension."""
@@ -85,7 +85,7 @@ class DecodePath:
             return None
         now = dict(self._ext.simd_stats())
         counted = [k for k in now if k.endswith("_rows")]
-        return {"kernel": now["streams"], **{k: now[k] - self._streams_start.get(k, 0) for k in counted}}
+        return {"kernel": now["streams"], **{k: now[k] - self._streams_start[k] for k in counted}}
 
 
 def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:

@@ -1,8 +1,9 @@
 """The decode-time dot products' AVX-512 kernel (kernels/csrc/cpu_common.h: dot_streams_avx512) gives
 the AVX2 kernel's results bit for bit: the dense projections, the LM head (float32, bfloat16, int8
 and fp8 rows with their scales), int8 rows that carry their scale, and the fused MoE op, at 1-3
-tokens (the streamed rows) and at 4-16 (the dense tiles: with AVX-512 they take up to 6 tokens a
-pass in its 32 registers, with AVX2 up to 3), on odd widths (every tail path). Each kernel runs in
+tokens (the streamed rows) and at 4-23 (the tiles: with AVX-512 a dense tile takes up to 6 tokens a
+pass in its 32 registers, with AVX2 up to 3, and an expert's 8 rows x 3 tokens one pass instead of
+two; experts that every token routes to take that path for sure), on odd widths (every tail path). Each kernel runs in
 its own process (the choice is made once per process; MOEBENCH_AVX512=0 keeps AVX2), which also
 reports the rows it streamed and tiled with each kernel (simd_stats, the activation evidence)."""
 
@@ -44,6 +45,9 @@ for n in (1, 2, 3, 5, 7, 16):
     tw = torch.rand(n, 2, generator=g)
     out[f"moe f32 {n}"] = ext.fused_moe(x, tw, ids, w13, w2)
     out[f"moe bf16 {n}"] = ext.fused_moe(x, tw, ids, w13.bfloat16(), w2.bfloat16())
+    shared = torch.randperm(E, generator=g)[:2].expand(n, 2).contiguous()  # every token: the same 2 experts
+    out[f"moe shared f32 {n}"] = ext.fused_moe(x, tw, shared, w13, w2)
+    out[f"moe shared bf16 {n}"] = ext.fused_moe(x, tw, shared, w13.bfloat16(), w2.bfloat16())
 torch.save({"out": out, "simd": dict(ext.simd_stats())}, sys.argv[1])
 """
 

@@ -19,9 +19,8 @@
 // block's rows are read as four runs side by side (four sequential streams, which one core reads
 // faster than one: dot_rows_streamed in cpu_common.h), with more, 4 rows x 3 tokens at a time (12
 // accumulators, each loaded weight vector feeds 3 FMAs; up to 6 tokens with AVX-512's registers)
-// over chunks of K that stay in L1. torch's
-// matmul on these shapes (MKL) reaches a fraction of the read bandwidth and uses the second thread
-// poorly.
+// over chunks of K that stay in L1. torch's matmul on these shapes (MKL) reaches a fraction of the
+// read bandwidth and uses the second thread poorly.
 
 #include "cpu_common.h"
 #include "spin.h"
@@ -221,11 +220,11 @@ using moebench_cpu::parallel_for;
 
 // 4+ tokens. Each (row, token) has one 8-lane accumulator over k (lane j takes k = j mod 8, in
 // increasing k), summed across lanes at the end, then the K % 8 tail; rows are taken 4 at a time
-// and tokens in groups (tile_groups: up to 3 with AVX2, up to 6 with AVX-512). With the whole of K in one pass, the 4 rows and
-// the token groups (28 KB at K = 1024 for one group, more for the next) did not stay in L1 and the
-// FMAs waited on L2 (docs/cpu-decode.md, "Batch 16: the dense projections in L1"); so K is taken in
-// chunks, 4 rows' and up to 16 tokens' chunks (20 KB) staying in L1 while every token group passes
-// over them, the accumulators kept in memory between chunks. Below 8 tokens the FMAs do not wait
+// and tokens in groups (tile_groups: up to 3 with AVX2, up to 6 with AVX-512). With the whole of K
+// in one pass, the 4 rows and the token groups (28 KB at K = 1024 for one group, more for the next)
+// did not stay in L1 and the FMAs waited on L2 (docs/cpu-decode.md, "Batch 16: the dense
+// projections in L1"); so K is taken in chunks, 4 rows' and up to 16 tokens' chunks (20 KB) staying
+// in L1 while every token group passes over them, the accumulators kept in memory between chunks. Below 8 tokens the FMAs do not wait
 // on L2 and K is one chunk. Neither chunks nor groups change which products an accumulator adds,
 // or in what order: the sums are those of one pass.
 //
@@ -606,8 +605,8 @@ double read_in_runs(torch::Tensor x) {
 }
 
 // The rows the streamed dots read with each kernel (cpu_common.h: dot_rows_streamed), the rows the
-// dense tiles read with each (4+ tokens: tile_groups), and which one this process runs: the
-// activation evidence of the AVX-512 kernels.
+// tiles of 4+ tokens read with each (dense_cpu.cpp tile_groups, moe_cpu.cpp rows8_tokens), and which
+// one this process runs: the activation evidence of the AVX-512 kernels.
 pybind11::dict simd_stats() {
   pybind11::dict d;
   d["streams"] = moebench_cpu::avx512_streams() ? "avx512" : "avx2";
@@ -724,7 +723,7 @@ void register_dense(pybind11::module& m) {
         "scales; the LM head is in lm_head_stats)");
   m.def("lm_head_stats", &lm_head_stats, "LM-head projections run in the kernel so far, by weight dtype: calls and bytes streamed");
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
-  m.def("simd_stats", &simd_stats, "The streamed dots' and dense tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
+  m.def("simd_stats", &simd_stats, "The streamed dots' and tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
         "spins not begun because the machine had more runnable threads than cores");
 }

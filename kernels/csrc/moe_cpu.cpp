@@ -101,9 +101,10 @@ __attribute__((always_inline)) inline void dot_tile(const W* const* w, const flo
 // Dots a group of 8 weight rows with n tokens (more than 3: an expert's share of a prefill), tile
 // by tile, calling epi(first_token, tile_tokens, o) where o[r * tile_tokens + t] holds row r, token
 // t: with AVX2, two passes of 4 rows x 3 tokens, so each loaded weight vector feeds 3 FMAs; the
-// rows stay in L1/L2 between passes, so memory still sees each row once (AVX-512: one pass, below). pf: see dot_tile (only the first token
-// tile prefetches; later tiles find the rows in cache). An expert with up to 3 tokens has its rows
-// read as streams instead (dot_rows_streamed, cpu_common.h), in a decode step or not.
+// rows stay in L1/L2 between passes, so memory still sees each row once (AVX-512: one pass, below).
+// pf: see dot_tile (only the first token tile prefetches; later tiles find the rows in cache). An
+// expert with up to 3 tokens has its rows read as streams instead (dot_rows_streamed,
+// cpu_common.h), in a decode step or not.
 template <typename W, typename Epi>
 void rows8_tokens_avx2(const W* const* w, const float* const* x, int64_t n, int64_t K, Epi&& epi, int64_t pf) {
   float o[8 * 3];
@@ -254,7 +255,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
           hb[t * I + j0 + jj] = silu(scaled(o[jj * n + t], row(jj), H)) * scaled(o[(m + jj) * n + t], row(m + jj), H);
       return;
     }
-    moebench_cpu::count_tiled_rows(2 * (j1 - j0));
+    moebench_cpu::count_tiled_rows(8 * ((j1 - j0) / 4));  // the rows rows8_tokens reads
     int64_t j = j0;
     // Groups of 4 intermediate rows: gate rows j..j+3 and up rows I+j..I+j+3.
     for (; j + 4 <= j1; j += 4) {
@@ -300,7 +301,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
       }
       return;
     }
-    moebench_cpu::count_tiled_rows(r1 - r0);
+    moebench_cpu::count_tiled_rows(8 * ((r1 - r0) / 8));  // the rows rows8_tokens reads
     int64_t r = r0;
     for (; r + 8 <= r1; r += 8) {
       const W* rows[8];
