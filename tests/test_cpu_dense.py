@@ -79,6 +79,42 @@ def test_a_decode_row_does_not_depend_on_the_rows_read_beside_it(ext, n):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_streamed_items_sized_in_bytes_change_no_sum(ext, threads, n):
+    """With 1-3 tokens an item takes the rows of four runs of ~128 KB, fewer where the threads would
+    get under two items each (csrc/cpu_common.h: streamed_item_rows): 600 bfloat16 rows are 3 items
+    of 256 at one thread and 5 of 128 at two, and every row still comes out as projected alone."""
+    g = torch.Generator().manual_seed(10 + n)
+    x, w = torch.randn(n, 1024, generator=g), torch.randn(600, 1024, generator=g).to(torch.bfloat16)
+    torch.set_num_threads(1)
+    one = ext.dense_linear(x, w)
+    torch.set_num_threads(2)
+    two = ext.dense_linear(x, w)
+    alone = torch.cat([ext.dense_linear(x, w[r : r + 1]) for r in range(0, 600, 37)], dim=1)
+    assert torch.equal(one, two) and torch.equal(one[:, ::37], alone)
+    _close(one, F.linear(x, w.float()))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_moe_blocks_sized_in_bytes_change_no_sum(ext, threads, n):
+    """One bfloat16 expert of the 0.89B shape: its gate/up block is 128 rows at one thread and 64 at
+    two, its down block 512 and 256 (csrc/moe_cpu.cpp): the same result bit for bit."""
+    g = torch.Generator().manual_seed(20 + n)
+    e, h, i = 4, 1024, 256
+    x = torch.randn(n, h, generator=g)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / 16).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) / 16).to(torch.bfloat16)
+    ids, wts = torch.full((n, 1), 2, dtype=torch.int64), torch.rand(n, 1, generator=g)
+    torch.set_num_threads(1)
+    one = ext.fused_moe(x, wts, ids, w13, w2)
+    torch.set_num_threads(2)
+    two = ext.fused_moe(x, wts, ids, w13, w2)
+    assert torch.equal(one, two)
+    from moebench.kernels.reference import moe_reference
+
+    _close(one, moe_reference(x, wts, ids, w13.float(), w2.float()))
+
+
 def test_read_in_runs_reads_every_value(ext, threads):
     for t in (1, 2):
         torch.set_num_threads(t)

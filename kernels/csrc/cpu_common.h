@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -223,6 +224,29 @@ template <RowSum F, int S, int T, typename W>
 inline void dot_streams(const W* const* w, const float* const* x, int64_t K, float* o) {
   if (avx512_streams()) dot_streams_avx512<F, S, T>(w, x, K, o);
   else dot_streams_avx2<F, S, T>(w, x, K, o);
+}
+
+// How many rows a work item of streamed rows takes. An item's rows are read as four runs side by side,
+// and a run streams at the memory's pace only once it is long enough for the prefetchers: with
+// bfloat16 or int8 rows a fixed row count made runs of 32 KB, ~10% slower at one thread than runs of
+// 128 KB (docs/cpu-decode.md, "Runs sized in bytes"). So an item takes the rows that make four runs of
+// about g_run_bytes (the nearest power of two, between min_rows and max_rows, both powers of two); then
+// half as many, not below min_rows, while items(rows) would leave the threads under two items each.
+// Which rows an item holds changes no sum (each row is summed in one fixed order, above).
+// g_run_bytes is 128 KB; 0 gives every item min_rows rows, the fixed sizes of before
+// (set_stream_run_bytes: benchmarks/run_lengths.py alternates the two in one process).
+extern std::atomic<int64_t> g_run_bytes;
+template <class Items>
+inline int64_t streamed_item_rows(int64_t row_bytes, int64_t min_rows, int64_t max_rows, int threads, Items items) {
+  const int64_t run_bytes = g_run_bytes.load(std::memory_order_relaxed);
+  if (run_bytes <= 0) return min_rows;
+  const int64_t exact = 4 * std::max<int64_t>(1, run_bytes / std::max<int64_t>(1, row_bytes));
+  int64_t rows = 1;
+  while (rows * 2 <= exact) rows *= 2;
+  if (exact - rows > 2 * rows - exact) rows *= 2;
+  rows = std::clamp(rows, min_rows, max_rows);
+  while (rows > min_rows && items(rows) < 2 * static_cast<int64_t>(threads)) rows /= 2;
+  return rows;
 }
 
 // o[i * T + t] = dot(row(i), x[t]) for rows i in [0, n) and T (1-3) tokens: the rows are cut into

@@ -48,6 +48,7 @@ namespace moebench_cpu {
 
 std::atomic<int64_t> g_streamed_rows[2];
 std::atomic<int64_t> g_tiled_rows[2];
+std::atomic<int64_t> g_run_bytes{128 * 1024};
 
 bool avx512_streams() {
   static const bool on = [] {
@@ -333,7 +334,8 @@ inline void tile_groups(const W* w, int64_t ldw, const float* x, int64_t n, int6
   else tile_groups_avx2(w, ldw, x, n, k0, k1, acc);
 }
 
-constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
+constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024; with 1-3 tokens, the least
+constexpr int64_t kMaxStreamedItemRows = 1024;  // with 1-3 tokens (streamed_item_rows, cpu_common.h)
 
 // A row's sum times its scale (row-scaled int8 / fp8 weights; none for float weights), plus its bias.
 // Row r's scale is scale[r * ss]: ss is 1 for a separate scale vector (an LM head), the row stride in
@@ -349,7 +351,7 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
                 const float* bias, const float* scale, int64_t ss, int64_t K, float* out, int64_t ldo, int64_t r0,
                 int64_t r1) {
   if (N <= kStreamedTokens) {  // the rows as four streams side by side, each row with every token (cpu_common.h)
-    float rows_out[kRowsPerItem * 3];
+    float rows_out[kMaxStreamedItemRows * 3];
     const float* xs[3] = {x, x + ldx, x + 2 * ldx};
     dot_rows_streamed<moebench_cpu::RowSum::kDense, W>([&](int64_t i) { return w + (r0 + i) * ldw; }, r1 - r0, N, xs,
                                                        K, rows_out);
@@ -439,16 +441,20 @@ void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const
                        float* op, const float* sp, bool count) {
   const int64_t M = w.size(0), ldw = w.stride(0);
   if (N == 0 || M == 0) return;
-  const int64_t items = (M + kRowsPerItem - 1) / kRowsPerItem;
-  // one item's worth of weights is microseconds of work: below a few items a second thread
-  // costs more to hand the work to than it saves
-  const int threads = items >= 4 ? moebench_cpu::step_threads() : 1;
+  // 64 rows' worth of weights is microseconds of work: below a few of them a second thread costs
+  // more to hand the work to than it saves
+  const int threads = (M + kRowsPerItem - 1) / kRowsPerItem >= 4 ? moebench_cpu::step_threads() : 1;
+  const int64_t rows_per_item =
+      N <= kStreamedTokens ? moebench_cpu::streamed_item_rows(ldw * w.element_size(), kRowsPerItem, kMaxStreamedItemRows,
+                                                              threads, [M](int64_t r) { return (M + r - 1) / r; })
+                           : kRowsPerItem;
+  const int64_t items = (M + rows_per_item - 1) / rows_per_item;
   std::unique_ptr<PackedTokens> packed;
   if (N > kStreamedTokens) packed = std::make_unique<PackedTokens>(xp, ldx, N, K);
   auto run = [&](const auto* wp, const float* scale, int64_t ss = 1) {
     parallel_for(items, threads, [&](int64_t i) {
-      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, scale, ss, K, op, M, i * kRowsPerItem,
-                 std::min(M, (i + 1) * kRowsPerItem));
+      dense_rows(xp, ldx, packed.get(), N, wp, ldw, bp, scale, ss, K, op, M, i * rows_per_item,
+                 std::min(M, (i + 1) * rows_per_item));
     });
   };
   if (count) count_weights(0, w.scalar_type(), M * ldw * w.element_size());
@@ -723,6 +729,11 @@ void register_dense(pybind11::module& m) {
         "scales; the LM head is in lm_head_stats)");
   m.def("lm_head_stats", &lm_head_stats, "LM-head projections run in the kernel so far, by weight dtype: calls and bytes streamed");
   m.def("read_in_runs", &read_in_runs, "Read a float32 buffer once as the decode kernels read weights (a bandwidth probe)");
+  m.def("set_stream_run_bytes", [](int64_t bytes) {
+    TORCH_CHECK(bytes >= 0, "set_stream_run_bytes: bytes must be >= 0");
+    moebench_cpu::g_run_bytes.store(bytes, std::memory_order_relaxed);
+  }, "The length a run of streamed rows aims at (cpu_common.h: streamed_item_rows); 0: the fixed item sizes of before");
+  m.def("stream_run_bytes", [] { return moebench_cpu::g_run_bytes.load(std::memory_order_relaxed); });
   m.def("simd_stats", &simd_stats, "The streamed dots' and tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
         "spins not begun because the machine had more runnable threads than cores");

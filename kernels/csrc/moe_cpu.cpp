@@ -169,20 +169,13 @@ inline void rows2_tokens(const W* const* w, const float* const* x, int64_t n, in
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-// Rows per work item. Gate/up: 32 intermediate rows = 64 weight rows; down: 256 output rows of one
-// expert. Large enough that claiming an item costs nothing next to streaming the rows and that,
-// for an expert with 1-3 tokens, the item's rows read as four runs side by side
-// (dot_rows_streamed) make runs long enough for the prefetchers to ramp up (64 KB at the bundled
-// shapes: 16 rows of H values, 64 rows of I values); small enough that there are several items per
-// expert to balance over the threads.
-#ifndef MOE_GATE_UP_BLOCK
-#define MOE_GATE_UP_BLOCK 32
-#endif
-#ifndef MOE_DOWN_BLOCK
-#define MOE_DOWN_BLOCK 256
-#endif
-constexpr int64_t kGateUpBlock = MOE_GATE_UP_BLOCK;
-constexpr int64_t kDownBlock = MOE_DOWN_BLOCK;
+// Rows per work item: gate/up, a block of intermediate rows (its gate rows and its up rows); down, a
+// block of one expert's output rows. Sized in bytes (streamed_item_rows, cpu_common.h): runs of about
+// 128 KB when an expert has 1-3 tokens and its item's rows are read as four runs side by side (at the
+// 0.89B shapes in bfloat16: 128 intermediate rows, 1024 output rows), while every thread still gets
+// two items; never fewer rows than the blocks of 32 and 256 this kernel had before.
+constexpr int64_t kMinGateUpBlock = 32, kMaxGateUpBlock = 256;
+constexpr int64_t kMinDownBlock = 256, kMaxDownBlock = 2048;
 constexpr double kMinParallelBytes = 256.0 * 1024;
 
 template <typename W>
@@ -226,9 +219,6 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     hrow[q] = hbuf.get() + q * I;
   }
 
-  const int64_t nb_gu = (I + kGateUpBlock - 1) / kGateUpBlock;
-  const int64_t nb_dn = (H + kDownBlock - 1) / kDownBlock;
-
   // A small layer (a few hundred KB of weights) is done in microseconds by one thread; handing
   // work to another would cost more, and much more when another process holds a core.
   const double bytes = static_cast<double>(A) * 3.0 * H * I * sizeof(W) + 4.0 * P * (H + I);
@@ -237,17 +227,27 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
                 A * (2 * I * s13r + H * s2r) * static_cast<int64_t>(sizeof(W)));
   if (bytes < kMinParallelBytes) num_threads = 1;
 
+  // a gate/up item's rows are twice its block: its gate rows and its up rows
+  const int64_t gate_up_block = moebench_cpu::streamed_item_rows(
+      s13r * static_cast<int64_t>(sizeof(W)), 2 * kMinGateUpBlock, 2 * kMaxGateUpBlock, num_threads,
+      [&](int64_t rows) { return A * ((2 * I + rows - 1) / rows); }) / 2;
+  const int64_t down_block = moebench_cpu::streamed_item_rows(
+      s2r * static_cast<int64_t>(sizeof(W)), kMinDownBlock, kMaxDownBlock, num_threads,
+      [&](int64_t rows) { return A * ((H + rows - 1) / rows); });
+  const int64_t nb_gu = (I + gate_up_block - 1) / gate_up_block;
+  const int64_t nb_dn = (H + down_block - 1) / down_block;
+
   // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
   parallel_for(A * nb_gu, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_gu];
-    const int64_t j0 = (item % nb_gu) * kGateUpBlock, j1 = std::min(I, j0 + kGateUpBlock);
+    const int64_t j0 = (item % nb_gu) * gate_up_block, j1 = std::min(I, j0 + gate_up_block);
     const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
     const W* we = w13 + e * s13e;
     const float* const* xs = xrow.data() + q0;
     float* hb = hbuf.get() + q0 * I;
     if (n <= 3) {  // the block's gate rows and up rows read as streams (cpu_common.h)
       const int64_t m = j1 - j0;
-      float o[2 * kGateUpBlock * 3];
+      float o[2 * kMaxGateUpBlock * 3];
       auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
       dot_rows_streamed<RowSum::kMoe, W>(row, 2 * m, n, xs, H, o);
       for (int64_t t = 0; t < n; ++t)
@@ -284,7 +284,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   float* ob = obuf.get();
   parallel_for(A * nb_dn, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_dn];
-    const int64_t r0 = (item % nb_dn) * kDownBlock, r1 = std::min(H, r0 + kDownBlock);
+    const int64_t r0 = (item % nb_dn) * down_block, r1 = std::min(H, r0 + down_block);
     const int64_t q0 = offs[e], n = offs[e + 1] - offs[e];
     const W* we = w2 + e * s2e;
     const float* const* hs = hrow.data() + q0;
@@ -292,7 +292,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const float* wq = wgt.data() + q0;
     if (n <= 3) {  // the block's rows read as streams (cpu_common.h)
       const int64_t m = r1 - r0;
-      float o[kDownBlock * 3];
+      float o[kMaxDownBlock * 3];
       dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (r0 + i) * s2r; }, m, n, hs, I, o);
       for (int64_t t = 0; t < n; ++t) {
         float* dst = ob + pr[t] * H + r0;
