@@ -54,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random-0.89b")
     parser.add_argument("--dtype", choices=("f32", "bf16"), default="bf16", help="for --model random-0.89b")
+    parser.add_argument("--weights", choices=("f32", "int8"), default="f32", help="--weights of run and bench-engine")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=40)
@@ -71,7 +72,7 @@ def main() -> None:
         raise SystemExit("run_lengths: needs the CPU extension")
     torch.set_num_threads(args.threads)
     ckpt = load(args.model, args.dtype, Path(tempfile.mkdtemp()))
-    rt = RuntimeConfig(kernel="fused", decode_path="native", batch_size=args.batch)
+    rt = RuntimeConfig(kernel="fused", decode_path="native", batch_size=args.batch, weights=args.weights)
     session = Engine(ckpt, None, rt).session(256)
     model, bs = session.model, rt.kv_block_size
     g = torch.Generator().manual_seed(0)
@@ -110,7 +111,7 @@ def main() -> None:
         mismatches += not torch.equal(a, b)
     ext.set_stream_run_bytes(128 * 1024)
     fixed, sized = configs
-    print(f"{args.model} {args.dtype if args.model == 'random-0.89b' else ''} threads={args.threads} "
+    print(f"{args.model} {args.dtype if args.model == 'random-0.89b' else ''} weights={args.weights} threads={args.threads} "
           f"batch={args.batch}, {args.rounds} rounds of {args.forwards} forwards each; "
           f"logits differed in {mismatches} of {args.rounds} rounds")
     for part in ("forward", *PARTS):
