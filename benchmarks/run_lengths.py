@@ -88,6 +88,7 @@ def main() -> None:
     native = model.native_decode_layers()
     if native is None:
         raise SystemExit("run_lengths: this model's decode step does not run as one native call")
+    default_run_bytes = ext.stream_run_bytes()
     configs = {"fixed": 0, f"{args.run_kb} KB": args.run_kb * 1024}
     times = {name: defaultdict(list) for name in configs}
     mismatches = 0
@@ -109,7 +110,7 @@ def main() -> None:
                 times[name][part].append(spent[part] / args.forwards * 1e3)
         a, b = logits.values()
         mismatches += not torch.equal(a, b)
-    ext.set_stream_run_bytes(128 * 1024)
+    ext.set_stream_run_bytes(default_run_bytes)
     fixed, sized = configs
     print(f"{args.model} {args.dtype if args.model == 'random-0.89b' else ''} weights={args.weights} threads={args.threads} "
           f"batch={args.batch}, {args.rounds} rounds of {args.forwards} forwards each; "

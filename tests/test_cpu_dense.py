@@ -91,8 +91,17 @@ def test_streamed_items_sized_in_bytes_change_no_sum(ext, threads, n):
     torch.set_num_threads(2)
     two = ext.dense_linear(x, w)
     alone = torch.cat([ext.dense_linear(x, w[r : r + 1]) for r in range(0, 600, 37)], dim=1)
-    assert torch.equal(one, two) and torch.equal(one[:, ::37], alone)
+    default = ext.stream_run_bytes()
+    ext.set_stream_run_bytes(0)  # 64 rows an item, whatever the dtype
+    try:
+        fixed = ext.dense_linear(x, w)
+    finally:
+        ext.set_stream_run_bytes(default)
+    assert default == 128 * 1024
+    assert torch.equal(one, two) and torch.equal(one, fixed) and torch.equal(one[:, ::37], alone)
     _close(one, F.linear(x, w.float()))
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        ext.set_stream_run_bytes(-1)
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -227,14 +227,14 @@ inline void dot_streams(const W* const* w, const float* const* x, int64_t K, flo
 }
 
 // How many rows a work item of streamed rows takes. An item's rows are read as four runs side by side,
-// and a run streams at the memory's pace only once it is long enough for the prefetchers: with
-// bfloat16 or int8 rows a fixed row count made runs of 32 KB, ~10% slower at one thread than runs of
-// 128 KB (docs/cpu-decode.md, "Runs sized in bytes"). So an item takes the rows that make four runs of
+// and a run streams at the memory's pace only once it is long enough for the prefetchers: a fixed row
+// count made bfloat16 and int8 runs a half and a quarter of float32's, and slower to read
+// (docs/cpu-decode.md, "Runs sized in bytes"). So an item takes the rows that make four runs of
 // about g_run_bytes (the nearest power of two, between min_rows and max_rows, both powers of two); then
 // half as many, not below min_rows, while items(rows) would leave the threads under two items each.
 // Which rows an item holds changes no sum (each row is summed in one fixed order, above).
-// g_run_bytes is 128 KB; 0 gives every item min_rows rows, the fixed sizes of before
-// (set_stream_run_bytes: benchmarks/run_lengths.py alternates the two in one process).
+// g_run_bytes is 128 KB; 0 gives every item min_rows rows, a fixed row count (set_stream_run_bytes:
+// benchmarks/run_lengths.py alternates the two in one process).
 extern std::atomic<int64_t> g_run_bytes;
 template <class Items>
 inline int64_t streamed_item_rows(int64_t row_bytes, int64_t min_rows, int64_t max_rows, int threads, Items items) {

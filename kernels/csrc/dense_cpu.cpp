@@ -334,8 +334,10 @@ inline void tile_groups(const W* w, int64_t ldw, const float* x, int64_t n, int6
   else tile_groups_avx2(w, ldw, x, n, k0, k1, acc);
 }
 
-constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024; with 1-3 tokens, the least
-constexpr int64_t kMaxStreamedItemRows = 1024;  // with 1-3 tokens (streamed_item_rows, cpu_common.h)
+// Rows per work item: with 4+ tokens always, with 1-3 the fewest (streamed_item_rows, cpu_common.h,
+// sizes those items in bytes, up to kMaxStreamedItemRows).
+constexpr int64_t kRowsPerItem = 64;  // 256 KB of float32 weights at K = 1024
+constexpr int64_t kMaxStreamedItemRows = 1024;
 
 // A row's sum times its scale (row-scaled int8 / fp8 weights; none for float weights), plus its bias.
 // Row r's scale is scale[r * ss]: ss is 1 for a separate scale vector (an LM head), the row stride in
@@ -732,8 +734,9 @@ void register_dense(pybind11::module& m) {
   m.def("set_stream_run_bytes", [](int64_t bytes) {
     TORCH_CHECK(bytes >= 0, "set_stream_run_bytes: bytes must be >= 0");
     moebench_cpu::g_run_bytes.store(bytes, std::memory_order_relaxed);
-  }, "The length a run of streamed rows aims at (cpu_common.h: streamed_item_rows); 0: the fixed item sizes of before");
-  m.def("stream_run_bytes", [] { return moebench_cpu::g_run_bytes.load(std::memory_order_relaxed); });
+  }, "The length a run of streamed rows aims at (cpu_common.h: streamed_item_rows); 0: a fixed row count per item");
+  m.def("stream_run_bytes", [] { return moebench_cpu::g_run_bytes.load(std::memory_order_relaxed); },
+        "The length a run of streamed rows aims at now, in bytes");
   m.def("simd_stats", &simd_stats, "The streamed dots' and tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
         "spins not begun because the machine had more runnable threads than cores");

@@ -173,7 +173,7 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 // block of one expert's output rows. Sized in bytes (streamed_item_rows, cpu_common.h): runs of about
 // 128 KB when an expert has 1-3 tokens and its item's rows are read as four runs side by side (at the
 // 0.89B shapes in bfloat16: 128 intermediate rows, 1024 output rows), while every thread still gets
-// two items; never fewer rows than the blocks of 32 and 256 this kernel had before.
+// two items; never fewer than 32 intermediate rows or 256 output rows.
 constexpr int64_t kMinGateUpBlock = 32, kMaxGateUpBlock = 256;
 constexpr int64_t kMinDownBlock = 256, kMaxDownBlock = 2048;
 constexpr double kMinParallelBytes = 256.0 * 1024;
@@ -227,7 +227,7 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
                 A * (2 * I * s13r + H * s2r) * static_cast<int64_t>(sizeof(W)));
   if (bytes < kMinParallelBytes) num_threads = 1;
 
-  // a gate/up item's rows are twice its block: its gate rows and its up rows
+  // a gate/up item reads twice its block's rows: its gate rows and its up rows
   const int64_t gate_up_block = moebench_cpu::streamed_item_rows(
       s13r * static_cast<int64_t>(sizeof(W)), 2 * kMinGateUpBlock, 2 * kMaxGateUpBlock, num_threads,
       [&](int64_t rows) { return A * ((2 * I + rows - 1) / rows); }) / 2;
