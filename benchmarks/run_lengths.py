@@ -59,7 +59,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--forwards", type=int, default=4, help="forwards per configuration per round")
-    parser.add_argument("--run-kb", type=int, default=128, help="the run length to compare with the fixed sizes")
+    parser.add_argument("--run-kb", type=int, default=128, help="the run length to compare")
+    parser.add_argument("--base-kb", type=int, default=0, help="the run length it is compared with (0: the fixed sizes)")
     args = parser.parse_args()
 
     from moebench.engine import Engine, RuntimeConfig
@@ -89,7 +90,7 @@ def main() -> None:
     if native is None:
         raise SystemExit("run_lengths: this model's decode step does not run as one native call")
     default_run_bytes = ext.stream_run_bytes()
-    configs = {"fixed": 0, f"{args.run_kb} KB": args.run_kb * 1024}
+    configs = {f"{args.base_kb} KB" if args.base_kb else "fixed": args.base_kb * 1024, f"{args.run_kb} KB": args.run_kb * 1024}
     times = {name: defaultdict(list) for name in configs}
     mismatches = 0
     for r in range(args.rounds):
@@ -112,7 +113,8 @@ def main() -> None:
         mismatches += not torch.equal(a, b)
     ext.set_stream_run_bytes(default_run_bytes)
     fixed, sized = configs
-    print(f"{args.model} {args.dtype if args.model == 'random-0.89b' else ''} weights={args.weights} threads={args.threads} "
+    held = model.weights_evidence()["held"] if hasattr(model, "weights_evidence") else {}
+    print(f"{args.model}, weights held {held}, LM head {ckpt.lm_head.dtype}, threads={args.threads} "
           f"batch={args.batch}, {args.rounds} rounds of {args.forwards} forwards each; "
           f"logits differed in {mismatches} of {args.rounds} rounds")
     for part in ("forward", *PARTS):
@@ -121,7 +123,7 @@ def main() -> None:
             continue
         low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         print(f"  {part}: {fixed} {statistics.median(times[fixed][part]):.2f} ms, {sized} "
-              f"{statistics.median(times[sized][part]):.2f} ms; fixed / sized, median of rounds "
+              f"{statistics.median(times[sized][part]):.2f} ms; {fixed} / {sized}, median of rounds "
               f"{statistics.median(ratios):.3f} (quartiles {low:.3f}-{high:.3f})")
     if mismatches:
         raise SystemExit("run_lengths: the two item sizes gave different logits")
