@@ -417,7 +417,8 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
 }  // namespace
 
 // x [N, K] float32 (rows contiguous), w [M, K] float32 or bfloat16 (rows contiguous), bias [M] or
-// None -> [N, M] float32. Items are blocks of 64 output rows, run on the step's thread pool.
+// None -> [N, M] float32. Items are blocks of output rows (64; with 1-3 tokens sized in bytes,
+// streamed_item_rows), run on the step's thread pool.
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
               "dense_linear: x must be float32 [N, K] with contiguous rows");
