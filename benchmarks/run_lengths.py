@@ -31,25 +31,6 @@ import torch
 PARTS = ("LM head", "experts", "qkv projection", "output projection", "attention")
 
 
-def load(model: str, dtype: str, tmp: Path):
-    from moebench.engine import load_checkpoint
-
-    if model == "bundled":
-        from moebench.models.bundled import bundled_model_path
-
-        path = bundled_model_path()
-    elif model == "random-0.89b":
-        from moebench.measuring.bench_engine import DEFAULT_SHAPE
-        from moebench.models.random import make_random_qwen3_moe
-
-        kwargs = {"dtype": torch.bfloat16} if dtype == "bf16" else {}
-        path = make_random_qwen3_moe(tmp / "model", DEFAULT_SHAPE, pad_token_id=0, **kwargs)
-    else:
-        path = Path(model)
-    # the experts as run and bench-engine hold them on the CPU: in the checkpoint's dtype
-    return load_checkpoint(path, experts_in_checkpoint_dtype=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random-0.89b")
@@ -67,12 +48,13 @@ def main() -> None:
     from moebench.engine.decode_path import step_context
     from moebench.engine.model import build_forward_batch
     from moebench.kernels.cpu_moe import load_extension
+    from moebench.measuring.bench_models import benchmark_checkpoint
 
     ext = load_extension()
     if ext is None or not hasattr(ext, "set_stream_run_bytes"):
         raise SystemExit("run_lengths: needs the CPU extension")
     torch.set_num_threads(args.threads)
-    ckpt = load(args.model, args.dtype, Path(tempfile.mkdtemp()))
+    ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
     rt = RuntimeConfig(kernel="fused", decode_path="native", batch_size=args.batch, weights=args.weights)
     session = Engine(ckpt, None, rt).session(256)
     model, bs = session.model, rt.kv_block_size

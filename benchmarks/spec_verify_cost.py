@@ -37,22 +37,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-def _load(model: str, layers: int | None, tmp: Path):
-    from moebench.engine import load_checkpoint
-
-    if model == "bundled":
-        from moebench.models.bundled import bundled_model_path
-
-        return load_checkpoint(bundled_model_path())
-    if model == "random-0.89b":
-        from moebench.measuring.bench_engine import DEFAULT_SHAPE
-        from moebench.models.random import make_random_qwen3_moe
-
-        shape = {**DEFAULT_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
-        return load_checkpoint(make_random_qwen3_moe(tmp / "model", shape, pad_token_id=0))
-    return load_checkpoint(Path(model))
-
-
 def _float32_copy(head):
     """The head with its matrices widened to float32 (the same values), or None where they already are."""
     import copy
@@ -93,12 +77,13 @@ def main() -> None:
     from moebench.engine.speculative import draft_context_reads
 
     torch.set_num_threads(1)
+    from moebench.measuring.bench_models import benchmark_checkpoint
     from moebench.measuring.machine import measure_read_bandwidth_gb_s
 
     bandwidth = measure_read_bandwidth_gb_s()
     print(f"read bandwidth {bandwidth:.1f} GB/s (harness/measuring/machine.py, huge pages)")
     with tempfile.TemporaryDirectory(prefix="moebench-spec-cost-") as tmp:
-        ckpt = _load(args.model, args.layers, Path(tmp))
+        ckpt = benchmark_checkpoint(args.model, Path(tmp), layers=args.layers)
         rt = RuntimeConfig(kernel=args.kernel, decode_path=args.decode_path, batch_size=max(args.batch))
         engine = Engine(ckpt, None, rt)
         session = engine.session(args.context + max(args.k) + 2)

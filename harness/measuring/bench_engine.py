@@ -53,10 +53,8 @@ from rich.console import Console
 from moebench.measuring.bench_engine_table import interval_text, print_table  # noqa: F401 (interval_text: pool_bench_engine's)
 from moebench.backends.batched_bench import LlamaBatchedBenchSide
 from moebench.errors import MoebenchError
+from moebench.measuring.bench_models import DEFAULT_SHAPE, write_random_model
 
-DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                     head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=256,
-                     intermediate_size=2048, vocab_size=32000)
 VS_CHOICES = ("transformers", "llama.cpp", "moebench")
 LLAMA_BENCH_CHOICES = ("server", "batched", "both")  # llama.cpp's yardsticks: llama-server, llama-batched-bench
 DTYPES = ("f32", "bf16")  # the runtime's weights: a float32 or a bfloat16 checkpoint
@@ -409,7 +407,7 @@ def bench_engine(
 
     from moebench.engine import load_checkpoint
     from moebench.measuring.machine import describe_machine, git_commit, package_versions, read_bandwidth_by_reader
-    from moebench.models.random import make_random_qwen3_moe, write_char_tokenizer
+    from moebench.models.random import write_char_tokenizer
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     commit = git_commit()  # the code the run starts with (the extension is built from it)
@@ -418,10 +416,8 @@ def bench_engine(
         tmp = Path(tmp)
         path = model
         if path is None:
-            overrides = {"num_hidden_layers": layers} if layers else {}
             with console.status(f"writing a random Qwen3-MoE checkpoint ({dtype or 'f32'})"):
-                path = make_random_qwen3_moe(tmp / "model", {**DEFAULT_SHAPE, **overrides}, pad_token_id=0,
-                                             dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+                path = write_random_model(tmp / "model", dtype, layers)
                 if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
                     write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
         # experts as the store holds them on the CPU (a bfloat16 checkpoint's stay bfloat16), as `run` loads
