@@ -225,8 +225,8 @@ using moebench_cpu::parallel_for;
 // in one pass, the 4 rows and the token groups (28 KB at K = 1024 for one group, more for the next)
 // did not stay in L1 and the FMAs waited on L2 (docs/cpu-decode.md, "Batch 16: the dense
 // projections in L1"); so K is taken in chunks, 4 rows' and up to 16 tokens' chunks (20 KB) staying
-// in L1 while every token group passes over them, the accumulators kept in memory between chunks. Below 8 tokens the FMAs do not wait
-// on L2 and K is one chunk. Neither chunks nor groups change which products an accumulator adds,
+// in L1 while every token group passes over them, the accumulators kept in memory between chunks.
+// Below 8 tokens the FMAs do not wait on L2 and K is one chunk. Neither chunks nor groups change which products an accumulator adds,
 // or in what order: the sums are those of one pass.
 //
 // The tokens are read from a packed copy (PackedTokens): rows of x a multiple of 4 KB apart (K =
