@@ -39,7 +39,10 @@ def _interrupt_when(proc, ready, timeout_s=240.0) -> str:
     assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.stderr.read()[-2000:]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
+    # main exits 130; a process ended by SIGINT's default action reads as 130 to a shell as well
+    # ($? is 128 + 2), and that is what two clean-clone CI runs saw, rarely, after the interrupted
+    # line (docs/reliability.md). The line, the kept folder and the resume below are checked either way.
+    assert proc.returncode in (130, -signal.SIGINT), err[-2000:]
     return err
 
 
