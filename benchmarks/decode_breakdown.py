@@ -10,10 +10,11 @@ one and splits them into attention, router and experts; the native call splits i
 (the dense projections, the LM head) its read rate is printed too, and the experts' from the
 distinct experts each step routed to.
 
-    flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model DIR --threads 1,2 --batch 1,16
+    flock /tmp/moebench-bench.lock python benchmarks/decode_breakdown.py --model random-0.89b --dtype bf16 --threads 1,2 --batch 1,16
 
-DIR: a qwen3_moe checkpoint (e.g. the random 0.89B model bench-engine writes:
-moebench.models.random.make_random_qwen3_moe(DIR, moebench.measuring.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
+--model: `bundled`, `random-0.89b` (the model bench-engine measures, written to a temporary folder;
+--dtype bf16 writes it in bfloat16) or a qwen3_moe checkpoint folder. The experts are held in the
+checkpoint's own dtype, as `run` and bench-engine hold them.
 """
 
 from __future__ import annotations
@@ -22,15 +23,18 @@ import argparse
 import glob
 import json
 import os
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+from moebench.engine import Engine, Request, RuntimeConfig
 from moebench.engine import model as model_module
 from moebench.engine import moe as moe_module
 from moebench.kernels import cpu_dense
+from moebench.measuring.bench_models import benchmark_checkpoint
 
 parts = defaultdict(float)
 timing = [False]  # only decode forwards are timed
@@ -141,10 +145,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--weights", default="f32", help="f32 or int8 (--weights of run and bench-engine)")
     parser.add_argument("--lm-head", default="f32", help="f32, bf16, int8 or fp8 (--lm-head)")
-    parser.add_argument("--experts-as-stored", action="store_true",
-                        help="keep a bfloat16 checkpoint's experts bfloat16, as run and bench-engine load them")
+    parser.add_argument("--dtype", choices=("f32", "bf16"), default="bf16", help="for --model random-0.89b")
     args = parser.parse_args()
-    ckpt = load_checkpoint(args.model, experts_in_checkpoint_dtype=args.experts_as_stored)
+    ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
     instrument(ckpt.config.vocab_size)
     batches = [int(b) for b in args.batch.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -165,6 +168,9 @@ def main() -> None:
             cpu_after = thread_cpu_ms()
             pool = {key: value - pool_before.get(key, 0) for key, value in (cpu_dense.pool_stats() or {}).items()}
             decode = [s for s in result.steps if s["phase"] == "decode"]
+            if not decode:  # a trained model (the bundled one) can end a random prompt at once
+                raise SystemExit(f"decode_breakdown: {args.model} ended every sequence before a decode step; "
+                                 "measure a random model (--model random-0.89b) instead")
             step_ms = sum(s["duration_s"] for s in decode) / len(decode) * 1000
             per_step = {name: seconds / len(decode) * 1000 for name, seconds in parts.items()}
             forward_ms = per_step.pop("forward")
