@@ -79,13 +79,15 @@ class DecodePath:
     def streamed_dots(self) -> dict | None:
         """Which kernel the extension's streamed dot products and tiles of 4+ tokens ran in this process
         (avx512 or avx2, kernels/csrc/cpu_common.h) and the weight rows each streamed (1-3 tokens) or
-        tiled (4+) since this session started (its step_context), as the extension counted them; None
-        before that or without the extension."""
+        tiled (4+) since this session started (its step_context), as the extension counted them, and
+        the run length its streamed items aim at now (cpu_common.h: streamed_item_rows; 0: fixed row
+        counts); None before that or without the extension."""
         if not self._ext or self._streams_start is None:
             return None
         now = dict(self._ext.simd_stats())
         counted = [k for k in now if k.endswith("_rows")]
-        return {"kernel": now["streams"], **{k: now[k] - self._streams_start[k] for k in counted}}
+        run_bytes = {"stream_run_bytes": self._ext.stream_run_bytes()} if hasattr(self._ext, "stream_run_bytes") else {}
+        return {"kernel": now["streams"], **{k: now[k] - self._streams_start[k] for k in counted}, **run_bytes}
 
 
 def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:

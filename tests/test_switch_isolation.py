@@ -39,6 +39,7 @@ def settings(result) -> dict:
     return {"decode_path": (path["path"], path["chains"], path["step_pool"]),
             "threads": sorted(path["decode_threads"]),
             "streamed_dots": (path["streamed_dots"] or {}).get("kernel"),
+            "stream_run_bytes": (path["streamed_dots"] or {}).get("stream_run_bytes"),
             "store": {k: store.get(k) for k in STORE_KEYS}}
 
 
