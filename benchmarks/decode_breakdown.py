@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--weights", default="f32", help="f32 or int8 (--weights of run and bench-engine)")
     parser.add_argument("--lm-head", default="f32", help="f32, bf16, int8 or fp8 (--lm-head)")
     parser.add_argument("--dtype", choices=("f32", "bf16"), default="bf16", help="for --model random-0.89b")
+    parser.add_argument("--decode-path", default="native", choices=("native", "chained", "eager"),
+                        help="the runtime's decode path; native, as bench-engine runs it by default")
     args = parser.parse_args()
     ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
     instrument(ckpt.config.vocab_size)
@@ -158,7 +160,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             engine = Engine(ckpt, None, RuntimeConfig(kernel="fused", scheduler="static", batch_size=b,
                                                       max_new_tokens=args.new_tokens, weights=args.weights,
-                                                      lm_head=args.lm_head))
+                                                      lm_head=args.lm_head, decode_path=args.decode_path))
             engine.generate([Request(f"w{i}", "", 4) for i in range(b)], prompt_ids=prompts[:b])  # warm-up
             parts.clear()
             pool_before = cpu_dense.pool_stats() or {}
