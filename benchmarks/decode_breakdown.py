@@ -33,6 +33,7 @@ import torch
 from moebench.engine import Engine, Request, RuntimeConfig
 from moebench.engine import model as model_module
 from moebench.engine import moe as moe_module
+from moebench.engine.config import DECODE_PATHS
 from moebench.kernels import cpu_dense
 from moebench.measuring.bench_models import benchmark_checkpoint
 
@@ -146,8 +147,8 @@ def main() -> None:
     parser.add_argument("--weights", default="f32", help="f32 or int8 (--weights of run and bench-engine)")
     parser.add_argument("--lm-head", default="f32", help="f32, bf16, int8 or fp8 (--lm-head)")
     parser.add_argument("--dtype", choices=("f32", "bf16"), default="bf16", help="for --model random-0.89b")
-    parser.add_argument("--decode-path", default="native", choices=("native", "chained", "eager"),
-                        help="the runtime's decode path; native, as bench-engine runs it by default")
+    parser.add_argument("--decode-path", default="native", choices=DECODE_PATHS,
+                        help="the runtime's decode path (--decode-path of run); native, as bench-engine runs it by default")
     args = parser.parse_args()
     ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
     instrument(ckpt.config.vocab_size)
