@@ -1,5 +1,5 @@
 """Benchmark suites: GSM8K (hub or local files), its chain-of-thought variant, and the
-synthetic GSM-style suite. `load_suite` is the one entry point."""
+synthetic GSM-style suite at two levels (gsm-synth, gsm-synth-hard). `load_suite` is the one entry point."""
 
 from __future__ import annotations
 
@@ -30,17 +30,29 @@ def _gsm8k_cot(data: Path | None, limit: int | None, split: str, num_fewshot: in
 
 def _gsm_synth(data: Path | None, limit: int | None, split: str, num_fewshot: int | None) -> Suite:
     # Imported here so the other suites work whether or not synth.py is present.
-    from moebench.suites.prompts import GSM8K
     from moebench.suites.synth import load_synth_items
 
+    return _synthetic("gsm-synth", "moebench.suites.synth", load_synth_items, data, limit, split, num_fewshot)
+
+
+def _gsm_synth_hard(data: Path | None, limit: int | None, split: str, num_fewshot: int | None) -> Suite:
+    from moebench.suites.synth_hard import load_items
+
+    return _synthetic("gsm-synth-hard", "moebench.suites.synth_hard", load_items, data, limit, split, num_fewshot)
+
+
+def _synthetic(name: str, source: str, load_items, data: Path | None, limit: int | None, split: str,
+               num_fewshot: int | None) -> Suite:
+    from moebench.suites.prompts import GSM8K
+
     if data is not None:
-        raise MoebenchError(f"{data}: gsm-synth generates its items and reads no data directory")
+        raise MoebenchError(f"{data}: {name} generates its items and reads no data directory")
     if limit is not None and limit < 1:
-        raise MoebenchError(f"gsm-synth: limit must be at least 1, got {limit}")
-    items, train = load_synth_items(split, limit)
+        raise MoebenchError(f"{name}: limit must be at least 1, got {limit}")
+    items, train = load_items(split, limit)
     return Suite(
-        name="gsm-synth",
-        source="moebench.suites.synth",
+        name=name,
+        source=source,
         split=split,
         items=items,
         prompt_format=GSM8K,
@@ -56,6 +68,7 @@ SUITES: dict[str, SuiteLoader] = {
     "gsm8k": _gsm8k,
     "gsm8k_cot": _gsm8k_cot,
     "gsm-synth": _gsm_synth,
+    "gsm-synth-hard": _gsm_synth_hard,  # the hard level: docs/gsm-synth-hard.md
 }
 
 
