@@ -288,8 +288,11 @@ def test_run_table_is_whole_when_stdout_is_not_a_terminal(capsys, monkeypatch, t
 def test_train_bundled_does_not_default_to_the_installed_model(tmp_path):
     import moebench
     from moebench.cli.app import build_command
+    from moebench.cli.train import DEFAULT_OUTS
 
     option = next(p for p in build_command().commands["train-bundled"].params if p.name == "out")
-    default = Path(option.default).resolve()
+    assert option.default is None  # each --level then picks its own folder from DEFAULT_OUTS
     package = Path(moebench.__file__).resolve().parent
-    assert package not in default.parents and default != package, default
+    for out in DEFAULT_OUTS.values():
+        default = out.resolve()
+        assert package not in default.parents and default != package, default

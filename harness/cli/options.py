@@ -39,7 +39,8 @@ THREADS = typer.Option(
 LM_HEAD = typer.Option(
     None, "--lm-head",
     help="LM head weight precision: f32 (default, as loaded), bf16, int8 or fp8 (e4m3; int8 and fp8 with a "
-         "scale per output row; float32 accumulation). Approximate: answers may change.")
+         "scale per output row; float32 accumulation). Approximate: answers may change. With --ablate and lm-head "
+         "in --axes, several comma-separated (int8,fp8) are ablated together.")
 
 WEIGHTS = typer.Option(
     "f32", "--weights",

@@ -4,18 +4,22 @@ imported only when training starts)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 # Not the bundled model's own folder inside the installed package: retraining must not silently
 # replace the model that every default run uses. Pass that folder as --out to mean it.
 DEFAULT_OUT = Path("trained") / "gsm-synth-moe"
+DEFAULT_OUTS = {"easy": DEFAULT_OUT, "hard": Path("trained") / "gsm-synth-hard-moe"}
 
 
 def train_bundled_command(
-    out: Annotated[Path, typer.Option(help="Output folder for the checkpoint. The model moebench ships "
-                                           "(moebench/bundled/gsm-synth-moe) is replaced only if --out names its folder.")] = DEFAULT_OUT,
+    out: Annotated[Optional[Path], typer.Option(help="Output folder for the checkpoint (default: trained/gsm-synth-moe, "
+                                                     "or trained/gsm-synth-hard-moe with --level hard). The model moebench ships "
+                                                     "(moebench/bundled/...) is replaced only if --out names its folder.")] = None,
+    level: Annotated[str, typer.Option(help="Which level of the synthetic suite to train for: easy (gsm-synth, the "
+                                            "default model) or hard (gsm-synth-hard; docs/gsm-synth-hard.md).")] = "easy",
     minutes: Annotated[float, typer.Option(help="Wall-time cap for training (minutes).")] = 45.0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     steps: Annotated[int, typer.Option(help="Optimizer steps (the time budget may stop training earlier).")] = 3200,
@@ -29,10 +33,16 @@ def train_bundled_command(
     mtp_steps: Annotated[int, typer.Option(help="With --mtp: optimizer steps.")] = 1500,
     mtp_minutes: Annotated[float, typer.Option(help="With --mtp: wall-time cap (minutes).")] = 16.0,
 ) -> None:
-    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split (--mtp: its MTP head)."""
+    """Train the bundled gsm-synth MoE (qwen3_moe) and evaluate it on the synthetic test split (--mtp: its MTP head;
+    --level hard: the model for gsm-synth-hard)."""
+    from moebench.errors import MoebenchError
     from moebench.fileio import ensure_writable_dir
 
-    out = ensure_writable_dir(out, "--out")
+    if level not in DEFAULT_OUTS:
+        raise MoebenchError(f"--level {level!r}: choose from {', '.join(DEFAULT_OUTS)}")
+    if mtp and level != "easy":
+        raise MoebenchError("--mtp trains a head for the easy level's model only")
+    out = ensure_writable_dir(out if out is not None else DEFAULT_OUTS[level], "--out")
     log_file = out / ("mtp_train_log.txt" if mtp else "train_log.txt")
     log_file.write_text("")
 
@@ -49,4 +59,4 @@ def train_bundled_command(
     from moebench.models.train import train
 
     train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
-          eval_every=eval_every, threads=threads, log=log)
+          eval_every=eval_every, threads=threads, log=log, level=level)

@@ -251,7 +251,7 @@ def _fitting_suite(args: dict):
     from moebench.engine.loader import load_tokenizer
 
     suite_obj = _load_run_suite(args)
-    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
     if not model_path.is_dir():
         return suite_obj  # the loader, next, says what is wrong with the path
     context = parse_model_config(model_path / "config.json").max_position_embeddings
@@ -267,7 +267,7 @@ def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, thre
         import torch
 
         torch.set_num_threads(threads)
-    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
     ckpt, tokenizer = _load_model(model_path, base_runtime)
 
     if manifest is None:
@@ -363,9 +363,14 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if args[switch] not in IMPLEMENTED[switch]:
             raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
     method = args.get("speculative", "off")
-    head = args.get("lm_head") or "f32"
-    if head not in LM_HEADS:
-        raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
+    # --ablate takes several LM-head precisions (--lm-head int8,fp8); a single config takes one
+    named_heads = tuple((args.get("lm_head") or "f32").split(","))
+    for head in named_heads:
+        if head not in LM_HEADS:
+            raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
+    if len(named_heads) > 1 and (not args["ablate"] or "f32" in named_heads):
+        raise MoebenchError(f"--lm-head {','.join(named_heads)}: several precisions need --ablate, none of them f32")
+    head = named_heads[0] if len(named_heads) == 1 else ",".join(named_heads)
     weights = args.get("weights") or "f32"  # (a manifest from before the option: f32)
     if weights not in WEIGHT_PRECISIONS:
         raise MoebenchError(f"--weights '{weights}': choose from {', '.join(WEIGHT_PRECISIONS)}")
@@ -376,7 +381,7 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
             raise MoebenchError(f"--speculative {method} with --ablate: add speculative to --axes (the run then ablates {method})")
         if head != "f32" and not head_axis:
             raise MoebenchError(f"--lm-head {head} with --ablate: add lm-head to --axes (the run then ablates {head})")
-        heads = ((head,) if head != "f32" else LOW_PRECISION_HEADS) if head_axis else ()
+        heads = (named_heads if head != "f32" else LOW_PRECISION_HEADS) if head_axis else ()
         if weights != "f32" and WEIGHTS_AXIS not in others:
             raise MoebenchError(f"--weights {weights} with --ablate: add weights to --axes (the run then ablates {weights})")
         precisions = ((weights,) if weights != "f32" else LOW_PRECISION_WEIGHTS) if WEIGHTS_AXIS in others else ()
@@ -413,7 +418,7 @@ def _default_run_id(args: dict) -> str:
     if args.get("engine", "bundled") != "bundled":
         what = Path(args["profiles"]).stem if args.get("profiles") else "server"
     else:
-        what = Path(args["model"]).name if args.get("model") else BUNDLED_MODEL.name
+        what = Path(args["model"]).name if args.get("model") else bundled_model_path(args["suite"]).name
     return f"{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}-{secrets.token_hex(2)}-{what}-{args['suite']}"
 
 

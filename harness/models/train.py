@@ -23,27 +23,12 @@ import torch.nn.functional as F
 from moebench.models.train_model import TrainModel, to_hf
 
 from moebench.models.bundled import BUNDLED_MODEL as BUNDLED_DIR
+from moebench.models.levels import EASY_CONFIG, LEVELS, Level
+
 SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
-MODEL_CONFIG = dict(
-    hidden_size=192,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=48,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=128,
-    intermediate_size=512,          # unused: every layer is sparse
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    router_aux_loss_coef=0.01,
-    hidden_act="silu",
-)
+MODEL_CONFIG = EASY_CONFIG  # the easy level's shape (levels.py holds each level's)
 VOCAB_SIZE = 768
 
 
@@ -78,10 +63,10 @@ def make_hf_tokenizer(tok):
 
 # ---------------------------------------------------------------- model
 
-def hf_config(vocab_size: int = VOCAB_SIZE):
+def hf_config(vocab_size: int = VOCAB_SIZE, model_config: dict = MODEL_CONFIG):
     from transformers import Qwen3MoeConfig
 
-    kw = dict(MODEL_CONFIG)
+    kw = dict(model_config)
     theta = kw.pop("rope_theta")
     cfg = Qwen3MoeConfig(vocab_size=vocab_size, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
                          eos_token_id=EOS_ID, rope_parameters={"rope_type": "default", "rope_theta": theta},
@@ -157,11 +142,17 @@ def expert_load(hf, hf_tok, texts, batch_size: int = 50):
 
 # ---------------------------------------------------------------- data
 
-def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: int, pool: int = 8):
-    """Endless training batches: (ids [B,T], labels [B,T], valid [B,T]); loss on the answer only."""
-    from moebench.suites.synth import format_prompt, iter_problems
+# Training problems are the train bucket's, drawn from seed + TRAIN_STREAM_OFFSET; the held-out
+# validation problems from seed + VALIDATION_OFFSET (also train bucket, excluded from training).
+TRAIN_STREAM_OFFSET = 12345
+VALIDATION_OFFSET = 999
 
-    stream = iter_problems("train", seed=seed + 12345)
+def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: int, pool: int = 8,
+            level: Level = LEVELS["easy"]):
+    """Endless training batches: (ids [B,T], labels [B,T], valid [B,T]); loss on the answer only."""
+    from moebench.suites.synth import format_prompt
+
+    stream = level.problems().iter_problems("train", seed=seed + TRAIN_STREAM_OFFSET)
     while True:
         probs = []
         while len(probs) < batch_size * pool:
@@ -196,8 +187,12 @@ def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: i
 
 def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 3200,
           batch_size: int = 16, lr: float = 3e-3, eval_every: int = 300, eval_items: int = 100,
-          final_eval: bool = True, threads: int = 1, save_checkpoints: bool = False, log=print):
-    from moebench.suites.synth import generate_split, format_training_text
+          final_eval: bool = True, threads: int = 1, save_checkpoints: bool = False, log=print,
+          level: str = "easy"):
+    from moebench.suites.synth import format_training_text
+
+    lvl = LEVELS[level]
+    generate_split = lvl.problems().generate_split
 
     # one thread: on a shared 2-core machine, 2 OpenMP threads ran up to 8x slower
     torch.set_num_threads(threads)
@@ -209,15 +204,15 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
     corpus = [format_training_text(p.question, p.answer) for p in generate_split("train", 20000)]
     tok = build_tokenizer(corpus)
     hf_tok = make_hf_tokenizer(tok)
-    cfg = hf_config(tok.get_vocab_size())
+    cfg = hf_config(tok.get_vocab_size(), lvl.model_config)
     # validation: train-bucket problems from a separate seed, kept out of training
-    val = generate_split("train", eval_items, seed=seed + 999)
+    val = generate_split("train", eval_items, seed=seed + VALIDATION_OFFSET)
     exclude = {p.question for p in val}
 
     model = TrainModel(cfg)
     model.init_weights(seed)
     nparams = sum(p.numel() for p in model.parameters())
-    log(f"params {nparams/1e6:.2f}M  vocab {cfg.vocab_size}  config {json.dumps(MODEL_CONFIG)}")
+    log(f"params {nparams/1e6:.2f}M  vocab {cfg.vocab_size}  config {json.dumps(lvl.model_config)}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -235,7 +230,7 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
         return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * f)))
 
     rng = random.Random(seed)
-    data = batches(tok, rng, batch_size, exclude, seed)
+    data = batches(tok, rng, batch_size, exclude, seed, level=lvl)
     aux_coef = cfg.router_aux_loss_coef
     ema = None
     ntok = 0
@@ -288,12 +283,22 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
     log(f"saved to {out}")
     result = {"steps": nsteps, "time_limited": time_limited, "train_minutes": round(train_s / 60, 1), "seed": seed,
               "params": nparams}
+    if level != "easy":  # the easy bundle's record predates these fields; keep it as it was written
+        result.update(level=level, suite=lvl.suite, batch_size=batch_size, lr=lr,
+                      data=f"{lvl.module}.iter_problems('train', seed={seed + TRAIN_STREAM_OFFSET}), "
+                           f"minus {eval_items} validation problems from seed {seed + VALIDATION_OFFSET}")
     if final_eval:
-        result.update(evaluate_bundle(out, threads=threads, log=log))
-    result["command"] = (f"moebench train-bundled --minutes {minutes:g} --seed {seed} --steps {steps} "
+        result.update(evaluate_bundle(out, threads=threads, log=log, suite=lvl.suite))
+    level_flag = "" if level == "easy" else f" --level {level}"
+    result["command"] = (f"moebench train-bundled{level_flag} --minutes {minutes:g} --seed {seed} --steps {steps} "
                          f"--batch-size {batch_size} --lr {lr:g} --eval-every {eval_every} --threads {threads}")
     (out / "train_result.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_model_card(out, result)
+    if level == "easy":
+        write_model_card(out, result)
+    else:
+        from moebench.models.hard_model_card import write_hard_model_card
+
+        write_hard_model_card(out, result)
     return result
 
 
@@ -394,13 +399,15 @@ def load_bundle(path: Path = BUNDLED_DIR):
     return hf.eval(), tok
 
 
-def evaluate_bundle(path: Path = BUNDLED_DIR, limit: int | None = None, threads: int = 1, log=print):
-    """Greedy accuracy on the held-out test split and expert load, through transformers."""
-    from moebench.suites.synth import format_training_text, load_synth_items
+def evaluate_bundle(path: Path = BUNDLED_DIR, limit: int | None = None, threads: int = 1, log=print,
+                    suite: str = "gsm-synth"):
+    """Greedy accuracy on the held-out test split of `suite` and expert load, through transformers."""
+    from moebench.suites import load_suite
+    from moebench.suites.synth import format_training_text
 
     torch.set_num_threads(threads)
     hf, tok = load_bundle(path)
-    items, _ = load_synth_items("test", limit)
+    items = load_suite(suite, limit=limit).items
     t = time.time()
     acc, outs = greedy_eval(hf, tok, items)
     correct = round(acc * len(items))
