@@ -1,32 +1,32 @@
-"""Coverage of the paired accuracy intervals, and the power the detectable drop promises, by
-simulation at the run sizes moebench uses (docs/statistics.md has the figures).
+"""The accuracy verdict under simulation: coverage of its interval, how often it says each verdict,
+the power its printed detectable drop promises, and `moebench plan`'s items, in answer models
+built to break it (docs/statistics.md has the figures).
 
-A simulated run: `items` items drawn from a population; item i has a baseline success
-probability p_i ~ Beta(acc k, (1 - acc) k) (k = 2: most items nearly always right or nearly
-always wrong, as a good model's are), and is answered in `trials` trials. Two ways the config's
-answers relate to the baseline's:
+A simulated run answers `items` items in `trials` trials. Item i's baseline is right with
+probability p_i ~ Beta(acc k, (1 - acc) k), k = 1.5: U-shaped, most items nearly always right or
+nearly always wrong, as a good model's are. How the config's answers relate to the baseline's:
 
-  shared  the two configs share each trial's seed, so the config gives the baseline's answer
-          except on "fragile" items (a fifth of them), where it loses a right answer or gains a
-          wrong one with fixed probabilities per trial: discordance clustered in items, the case
-          of an approximate optimization sampled with the same seeds;
-  indep   the config's answers are independent draws at p_i (1 - drop / acc): discordance
-          spread over every trial, the case of a config whose outputs all differ.
-  repeat  as shared, but every trial repeats trial 0 (greedy decoding): trials add nothing.
+  same-spread      shared seeds: the config repeats the baseline's answer except on fragile items
+                   (a fifth), where it loses or gains answers at equal expected rates (noise that
+                   changes outputs but not accuracy); the drop takes each right answer with the
+                   same probability, trial by trial;
+  same-items       the same noise; the drop breaks whole items (wrong in every trial);
+  diverged-spread  the config's answers are independent draws at p_i (1 - drop / acc): outputs
+                   differ everywhere sampling lets them (an FP8 head, other kernels' rounding);
+  diverged-items   independent draws at p_i, and the drop breaks whole items;
+  greedy           as same-items, but every trial repeats trial 0 (temperature 0);
+  shock            diverged-spread, and one trial of each run (at random) is shocked: in it the
+                   config loses a fifth of its right answers on a random 5% of items;
+  shock-strong     the same with half the right answers on 30% of items.
 
-The true difference is the population one (expected over items and trials). For each cell the
-script reports how often each method's 95% interval covers it:
+The truth is the population difference (expected over items and trials); a shock is a fault of
+one trial, not part of the config's difference, so a run that does not flag it misleads. The verdict is
+moebench's (moebench.results.verdict.decide on moebench.results.paired_accuracy's interval, trial
+check and detectable drop), computed by the same functions the summary uses, on arrays of runs.
 
-  score      moebench's: Tango's score interval, with the Rao-Scott design effect over trials
-  item-t     Student t on the per-item mean differences (n - 1 degrees of freedom)
-  pooled     the score interval on all (item, trial) pairs as if independent (what clustering fixes)
-  bootstrap  the paired percentile bootstrap of trial 0 (moebench's until 2026-12-02; one trial)
-
-and, for drops, how often the run would be called a regression (score interval below 0) beside
-the mean detectable drop the run reported.
-
-    python benchmarks/paired_accuracy_coverage.py [--runs 10000] [--seed 0] [--out FILE.json]
-    python benchmarks/paired_accuracy_coverage.py --power   # power at the planned drop
+    python benchmarks/paired_accuracy_coverage.py [--runs 1000] [--seed 0] [--out FILE.json]
+    python benchmarks/paired_accuracy_coverage.py --power   # regression rate at the printed drop
+    python benchmarks/paired_accuracy_coverage.py --plan    # plan's items against simulation
 """
 
 from __future__ import annotations
@@ -37,146 +37,188 @@ import sys
 import time
 
 import numpy as np
-from scipy.stats import t as student_t
 
-from moebench.results.paired_accuracy import design_effect, detectable_drop, tango_interval
+from moebench.results.paired_accuracy import (design_effect, detectable_drop, items_for_margin, tango_interval,
+                                              trial_check, with_trial_component)
+from moebench.results.verdict import VERDICTS, decide
 
-ITEMS = (48, 200)
+ITEMS = (48, 200, 1319)
 TRIALS = (1, 3, 5)
-ACCURACY = (0.6, 0.8, 0.9, 0.95, 0.99)
-DROPS = (0.0, 0.01, 0.03)
-MODES = ("shared", "indep", "repeat")
+ACCURACY = (0.6, 0.9, 0.99)
+DROPS = (0.0, 0.005, 0.01, 0.02, 0.03)
+MODELS = ("same-spread", "same-items", "diverged-spread", "diverged-items", "greedy", "shock", "shock-strong")
+MULTI_TRIAL_ONLY = ("greedy", "shock", "shock-strong")
+MARGIN = 0.01
+HETEROGENEITY = 1.5
 FRAGILE = 0.2
-HETEROGENEITY = 2.0
-BOOT = 1000
+SHOCKS = {"shock": (0.05, 0.2), "shock-strong": (0.3, 0.5)}  # share of items hit, of their right answers lost
+CHUNK_ANSWERS = 4_000_000  # runs x items x trials simulated at once
 
 
-def _rates(acc: float, drop: float) -> tuple[float, float]:
-    """Per-trial loss and gain rates for the shared mode: gains as large as the wrong answers of
-    fragile items allow (at most 1 point), losses the gain plus the drop."""
-    gain = min(0.01, 0.5 * FRAGILE * (1 - acc))
-    return gain + drop, gain
+def _noise_rates(acc: float) -> tuple[float, float]:
+    """Per-trial loss and gain probabilities on fragile items, equal in expected answers."""
+    loss = min(0.05, 0.5 * (1 - acc) / acc)
+    return loss, loss * acc / (1 - acc)
 
 
-def simulate(items: int, trials: int, acc: float, drop: float, mode: str, runs: int,
-             rng: np.random.Generator) -> dict:
-    """Outcome counts of `runs` simulated runs: per item summed difference and paired trials, and
-    trial 0's gain and loss counts."""
-    p = rng.beta(acc * HETEROGENEITY, (1 - acc) * HETEROGENEITY, size=(runs, items, 1))
-    draws = 1 if mode == "repeat" else trials
-    u = rng.random((runs, items, draws))
-    base = u < p
-    if mode == "indep":
-        cfg = rng.random((runs, items, draws)) < p * (1 - drop / acc)
-    else:
-        loss, gain = _rates(acc, drop)
-        fragile = rng.random((runs, items, 1)) < FRAGILE
+def simulate(model: str, items: int, trials: int, acc: float, drop: float, runs: int,
+             rng: np.random.Generator, heterogeneity: float | None = HETEROGENEITY):
+    """(config - baseline) per run, item and trial as int8 [runs, items, trials], and the true
+    difference. heterogeneity None: every item at p = acc."""
+    shape = (runs, items, 1)
+    p = (np.full(shape, acc) if heterogeneity is None else
+         rng.beta(acc * heterogeneity, (1 - acc) * heterogeneity, size=shape))
+    draws = 1 if model == "greedy" else trials
+    base = rng.random((runs, items, draws)) < p
+    broken = rng.random(shape) < drop / acc if model.endswith("items") or model == "greedy" else None
+    if model.startswith("same") or model == "greedy":
+        loss, gain = _noise_rates(acc)
+        fragile = rng.random(shape) < FRAGILE
         flip = rng.random((runs, items, draws))
-        down = base & fragile & (flip < loss / (FRAGILE * acc))
-        up = ~base & fragile & (flip < gain / (FRAGILE * (1 - acc)))
-        cfg = base ^ (down | up)
-    if mode == "repeat":
-        base, cfg = np.repeat(base, trials, axis=2), np.repeat(cfg, trials, axis=2)
-    g, l_ = (cfg & ~base), (base & ~cfg)
-    return {"diff": (g.astype(np.int16) - l_).sum(axis=2), "gain": g.sum(axis=(1, 2)),
-            "loss": l_.sum(axis=(1, 2)), "gain0": g[:, :, 0].sum(axis=1), "loss0": l_[:, :, 0].sum(axis=1)}
-
-
-def intervals(sim: dict, items: int, trials: int, rng: np.random.Generator) -> dict:
-    n = items * trials
-    gain, loss = sim["gain"].astype(float), sim["loss"].astype(float)
-    pairs = np.full(sim["diff"].shape, float(trials))
-    deff = design_effect(sim["diff"], pairs, gain, loss) if trials > 1 else np.ones_like(gain)
-    out = {"score": tango_interval(gain / deff, loss / deff, n / deff),
-           "pooled": tango_interval(gain, loss, n)}
-    d = sim["diff"] / trials
-    half = student_t.ppf(0.975, items - 1) * d.std(axis=1, ddof=1) / np.sqrt(items)
-    out["item-t"] = (d.mean(axis=1) - half, d.mean(axis=1) + half)
-    if trials == 1:
-        g0, l0 = sim["gain0"].astype(float), sim["loss0"].astype(float)
-        probs = np.stack([g0, l0, items - g0 - l0], axis=1) / items
-        counts = np.stack([rng.multinomial(items, pr, size=BOOT) for pr in probs])
-        reps = (counts[:, :, 0] - counts[:, :, 1]) / items
-        out["bootstrap"] = tuple(np.quantile(reps, [0.025, 0.975], axis=1))
-    out["mde"] = detectable_drop(n / deff, (gain + loss) / n)
-    return out
-
-
-def cell(items, trials, acc, drop, mode, runs, rng) -> dict:
-    sim = simulate(items, trials, acc, drop, mode, runs, rng)
-    ci = intervals(sim, items, trials, rng)
+        cfg = base ^ ((base & fragile & (flip < loss)) | (~base & fragile & (flip < gain)))
+        if broken is None:
+            cfg &= rng.random(cfg.shape) >= drop / acc
+    else:
+        keep = 1 - drop / acc if broken is None else 1.0
+        cfg = rng.random((runs, items, draws)) < p * keep
+    if broken is not None:
+        cfg &= ~broken
     truth = -drop
-    row = {"items": items, "trials": trials, "accuracy": acc, "drop_points": drop * 100, "mode": mode,
-           "runs": runs, "discordant_per_run": float(np.mean(sim["gain"] + sim["loss"]))}
-    for name in ("score", "item-t", "pooled", "bootstrap"):
-        if name in ci:
-            lo, hi = ci[name]
-            row[name] = float(np.mean((lo <= truth + 1e-12) & (truth - 1e-12 <= hi)))
-    lo, hi = ci["score"]
-    row["regression_share"] = float(np.mean(hi < 0))
-    row["mean_detectable_drop_points"] = float(np.nanmean(ci["mde"]) * 100)
-    return row
+    if model in SHOCKS:
+        share, lost = SHOCKS[model]
+        shocked = np.arange(draws)[None, None, :] == rng.integers(0, draws, size=(runs, 1, 1))
+        hit = (rng.random((runs, items, draws)) < share) & shocked & (rng.random((runs, items, draws)) < lost)
+        cfg &= ~hit  # the truth stays the config's own difference: the shock is a fault of one trial
+    if draws != trials:
+        base, cfg = np.repeat(base, trials, axis=2), np.repeat(cfg, trials, axis=2)
+    return cfg.astype(np.int8) - base.astype(np.int8), truth
 
 
-def power_check(runs: int, rng: np.random.Generator) -> list[dict]:
-    """One trial, shared mode: the drop the run's own formula calls detectable at the cell's true
-    discordance, and how often the score interval then lies below 0 (target: 80%)."""
+def judge(x: np.ndarray, margin: float = MARGIN) -> dict:
+    """moebench's verdict on each simulated run (x: [runs, items, trials] of -1, 0, 1)."""
+    runs, items, trials = x.shape
+    n = items * trials
+    gain, loss = (x > 0).sum(axis=(1, 2)).astype(float), (x < 0).sum(axis=(1, 2)).astype(float)
+    item_diff = x.sum(axis=2, dtype=np.int64)
+    deff = (design_effect(item_diff, np.full(item_diff.shape, float(trials)), gain, loss)
+            if trials > 1 else np.ones(runs))
+    lo, hi = tango_interval(gain / deff, loss / deff, n / deff)
+    est = (gain - loss) / n
+    flagged = np.zeros(runs, dtype=bool)
+    if trials > 1:
+        check = trial_check(x)
+        lo, hi = with_trial_component(est, lo, hi, check["trial_variance"])
+        flagged = check["flagged"]
+    return {"lower": lo, "upper": hi, "flagged": flagged, "verdict": decide(lo, hi, margin, flagged),
+            "detectable": detectable_drop(n, items, (gain + loss) / n, deff, margin),
+            "discordant": gain + loss}
+
+
+def cell(model, items, trials, acc, drop, runs, rng, margin=MARGIN, heterogeneity=HETEROGENEITY) -> dict:
+    """One grid cell's rates over `runs` runs (simulated in chunks)."""
+    parts, truth = [], 0.0
+    chunk = max(1, CHUNK_ANSWERS // (items * trials))
+    for done in range(0, runs, chunk):
+        x, truth = simulate(model, items, trials, acc, drop, min(chunk, runs - done), rng, heterogeneity)
+        parts.append(judge(x, margin))
+    j = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    v = j["verdict"]
+    return {"model": model, "items": items, "trials": trials, "accuracy": acc, "drop_points": drop * 100,
+            "runs": runs, "discordant_per_run": float(j["discordant"].mean()),
+            "coverage": float(np.mean((j["lower"] <= truth + 1e-12) & (truth - 1e-12 <= j["upper"]))),
+            **{VERDICTS[k]: float(np.mean(v == k)) for k in (1, 2, 3)},
+            "fail": float(np.mean(v != 1)), "flagged": float(j["flagged"].mean()),
+            "detectable_points": float(np.nanmedian(j["detectable"]) * 100) if np.isfinite(j["detectable"]).any()
+            else None}
+
+
+def grid(runs: int, rng: np.random.Generator, items_grid=ITEMS, trials_grid=TRIALS, acc_grid=ACCURACY,
+         drops=DROPS, models=MODELS, echo=print) -> list[dict]:
     rows = []
-    for items in ITEMS:
-        for acc in (0.8, 0.9, 0.99):
-            gain = _rates(acc, 0.0)[1]
-            drop = 0.0
-            for _ in range(50):  # the discordance grows with the drop: iterate to the fixed point
-                drop = float(detectable_drop(items, 2 * gain + drop))
-            if drop + gain > FRAGILE * acc:
-                continue  # the model cannot lose that much
-            sim = simulate(items, 1, acc, drop, "shared", runs, rng)
-            lo, hi = tango_interval(sim["gain"], sim["loss"], items)
-            rows.append({"items": items, "accuracy": acc, "planned_drop_points": drop * 100,
-                         "power": float(np.mean(hi < 0)), "runs": runs})
+    echo("model           items trials  acc drop  discord  cover  non-inf  regr  incon  fail  flag  mde")
+    for model in models:
+        for items in items_grid:
+            for trials in trials_grid:
+                if trials == 1 and model in MULTI_TRIAL_ONLY:
+                    continue
+                for acc in acc_grid:
+                    for drop in drops:
+                        r = cell(model, items, trials, acc, drop, runs, rng)
+                        rows.append(r)
+                        mde = "  n/a" if r["detectable_points"] is None else f"{r['detectable_points']:5.2f}"
+                        echo(f"{model:15s} {items:5d} {trials:6d} {acc:4.2f} {drop * 100:4.1f} "
+                             f"{r['discordant_per_run']:8.1f} {r['coverage']:6.3f} {r['non-inferior']:7.3f} "
+                             f"{r['regression']:5.3f} {r['inconclusive']:6.3f} {r['fail']:5.3f} "
+                             f"{r['flagged']:5.3f} {mde}")
+    return rows
+
+
+def power_check(runs: int, rng: np.random.Generator, items_grid=ITEMS, trials_grid=TRIALS,
+                acc_grid=ACCURACY, models=MODELS[:5], echo=print) -> list[dict]:
+    """The median detectable drop printed by runs with no true drop, then the regression rate at
+    that drop in the same model (target: >= 80%)."""
+    rows = []
+    for model in models:
+        for items in items_grid:
+            for trials in trials_grid:
+                if trials == 1 and model in MULTI_TRIAL_ONLY:
+                    continue
+                for acc in acc_grid:
+                    printed = cell(model, items, trials, acc, 0.0, runs, rng)["detectable_points"]
+                    if printed is None or printed / 100 > 0.9 * acc:
+                        continue  # nothing printed, or a drop the model cannot lose
+                    at = cell(model, items, trials, acc, printed / 100, runs, rng)
+                    rows.append({"model": model, "items": items, "trials": trials, "accuracy": acc,
+                                 "printed_drop_points": printed, "regression": at["regression"], "runs": runs})
+                    echo(f"{model:15s} {items:5d} items x {trials} trials, acc {acc:.2f}: printed drop "
+                         f"{printed:5.2f} points, regression at it {at['regression']:.3f}")
+    return rows
+
+
+PLAN_CASES = (  # (accuracy, trials, margin in points, heterogeneity, discordance told to plan)
+    (0.9, 1, 1.0, None, None),
+    (0.75, 5, 2.0, None, None),
+    (0.9, 3, 1.0, HETEROGENEITY, 2 * 0.9 * 0.1 * HETEROGENEITY / (HETEROGENEITY + 1)),
+)
+
+
+def plan_check(runs: int, rng: np.random.Generator, echo=print) -> list[dict]:
+    """`moebench plan`'s items for 80% assurance of non-inferiority when nothing changed, run in
+    the diverged model it assumes (target: 75-90% non-inferior)."""
+    rows = []
+    for acc, trials, margin, het, psi in PLAN_CASES:
+        items = items_for_margin(margin / 100, acc, trials, discordance=psi)["diverged"]
+        r = cell("diverged-spread", items, trials, acc, 0.0, runs, rng, margin / 100, het)
+        rows.append({"accuracy": acc, "trials": trials, "margin": margin, "items": items,
+                     "items_heterogeneous": het is not None, "discordance_told": psi,
+                     "non_inferior": r["non-inferior"], "runs": runs})
+        echo(f"acc {acc:.2f}, {trials} trials, margin {margin:g}, "
+             f"{'U-shaped items, discordance told' if het else 'items alike'}: plan says {items} items; "
+             f"non-inferior in {r['non-inferior']:.3f} of runs")
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=10_000)
+    ap.add_argument("--runs", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--power", action="store_true", help="check the power at the planned drop instead")
+    ap.add_argument("--power", action="store_true", help="the regression rate at the printed detectable drop")
+    ap.add_argument("--plan", action="store_true", help="moebench plan's items against simulation")
     ap.add_argument("--out", help="write the table as JSON here")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     started = time.monotonic()
+    echo = lambda line: print(line, flush=True)  # noqa: E731
     if args.power:
-        rows = power_check(args.runs, rng)
-        for r in rows:
-            print(f"{r['items']:4d} items  acc {r['accuracy']:.2f}  planned drop {r['planned_drop_points']:5.2f} "
-                  f"points  power {r['power']:.3f}")
+        rows = power_check(args.runs, rng, echo=echo)
+    elif args.plan:
+        rows = plan_check(args.runs, rng, echo=echo)
     else:
-        rows = []
-        print("items trials  acc  drop  mode    discord  score item-t pooled  boot   regr  mde")
-        for items in ITEMS:
-            for trials in TRIALS:
-                for mode in MODES:
-                    if mode == "repeat" and trials == 1:
-                        continue
-                    for acc in ACCURACY:
-                        for drop in DROPS:
-                            chunk = max(1, min(args.runs, 4_000_000 // (items * trials)))
-                            parts = [cell(items, trials, acc, drop, mode, min(chunk, args.runs - done), rng)
-                                     for done in range(0, args.runs, chunk)]
-                            r = {k: (float(np.average([p[k] for p in parts], weights=[p["runs"] for p in parts]))
-                                     if isinstance(parts[0][k], float) else parts[0][k]) for k in parts[0]}
-                            r["runs"] = args.runs
-                            rows.append(r)
-                            print(f"{items:5d} {trials:6d} {acc:5.2f} {drop * 100:4.0f}  {mode:6s} "
-                                  f"{r['discordant_per_run']:8.1f} {r['score']:6.3f} {r['item-t']:6.3f} "
-                                  f"{r['pooled']:6.3f} {r.get('bootstrap', float('nan')):6.3f} "
-                                  f"{r['regression_share']:6.3f} {r['mean_detectable_drop_points']:5.2f}",
-                                  flush=True)
+        rows = grid(args.runs, rng, echo=echo)
     print(f"{time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"runs": args.runs, "seed": args.seed, "rows": rows}, f, indent=1)
+            json.dump({"runs": args.runs, "seed": args.seed, "margin_points": MARGIN * 100, "rows": rows}, f, indent=1)
     return 0
 
 

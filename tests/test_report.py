@@ -64,8 +64,8 @@ def test_markdown_content(report_dir):
     assert "**speedup 2.20x" in md
     assert "What this run proves" in md and "Examples of differing outputs" in md
     # "all" changed one answer of 40 (an exact config, so no shortcut): too few items to judge
-    assert "inconclusive: too few items" in md
-    assert "points or more would have been detected with 80% power; none was" in md
+    assert "inconclusive: difference" in md and "reaches below the -1-point margin" in md
+    assert "points or more would have been called a regression in >= 80% of runs" in md
     assert "| config | items x trials | baseline only / config only | Δ points [95% CI] |" in md
     assert "| kernel | 40 x 3 | 0 / 0 | +0.00 [-8.76, +8.76] |" in md  # identical outputs: interval still stated
     assert "all, item synth/1: first difference at character" in md
@@ -89,4 +89,4 @@ def test_margin_rejudges_the_verdicts(tmp_path):
     wide = (write_report(run, tmp_path / "wide", margin=25) / "report.md").read_text()
     assert "non-inferior at a 25-point margin" in wide
     narrow = (write_report(run, tmp_path / "narrow") / "report.md").read_text()
-    assert "non-inferior" not in narrow and "inconclusive: too few items" in narrow
+    assert "non-inferior at" not in narrow and "inconclusive: difference" in narrow

@@ -76,7 +76,7 @@ def test_speedup_and_accuracy(summary):
     assert diff["discordant"] == {"baseline_only": 6, "config_only": 0}
     assert va["accuracy_verdict"]["verdict"] == "inconclusive"  # 40 items cannot rule out 1 point
     assert va["accuracy_verdict"]["margin"] == 1.0
-    assert "would have been detected with 80% power; none was" in va["accuracy_verdict"]["statement"]
+    assert "would have been called a regression in >= 80% of runs like this one" in va["accuracy_verdict"]["statement"]
     assert vk["accuracy_verdict"]["verdict"] == "inconclusive"  # two outputs differ: not identical
     assert va["differing_answers"] == 2
 

@@ -17,25 +17,24 @@ def gate_command(
     config: str | None = typer.Option(None, "--config", help="Config whose speedup is gated (default: 'all', else the last stacked config)."),
     metric: str | None = typer.Option(None, "--metric", help=f"Speedup gated: output (whole-run output tok/s) or decode (decode steps only) ({_HELP_DEFAULT.format(DEFAULTS.metric)})."),
     min_speedup: float | None = typer.Option(None, "--min-speedup", help=f"Required lower 95% bound of the speedup ({_HELP_DEFAULT.format(DEFAULTS.min_speedup)})."),
-    max_accuracy_drop: float | None = typer.Option(None, "--max-accuracy-drop", help=f"Accuracy points any config may lose ({_HELP_DEFAULT.format(DEFAULTS.max_accuracy_drop)})."),
     min_identical: float | None = typer.Option(None, "--min-identical", help=f"Required share of outputs identical to the baseline's ({_HELP_DEFAULT.format(DEFAULTS.min_identical)})."),
     baseline: Path | None = typer.Option(None, "--baseline", help="Committed summary.json whose speedup must not regress."),
     max_slowdown: float | None = typer.Option(None, "--max-slowdown", help=f"Allowed fall of the speedup below the committed one ({_HELP_DEFAULT.format(DEFAULTS.max_slowdown)})."),
-    margin: float | None = typer.Option(None, "--margin", help=f"Non-inferiority margin of the accuracy verdict, in points ({_HELP_DEFAULT.format(DEFAULTS.margin)})."),
-    require_power: bool | None = typer.Option(None, "--require-power", help="A rule the run is too small to judge fails the gate, with exit 3 (policy key require_power; default: it passes, said so)."),
+    margin: float | None = typer.Option(None, "--margin", help=f"Accuracy points a config may lose: the one accuracy knob ({_HELP_DEFAULT.format(DEFAULTS.margin)})."),
+    on_inconclusive: str | None = typer.Option(None, "--on-inconclusive", help=f"A rule the run is too small to judge: fail (exit 3), warn or pass (exit 0, said so) ({_HELP_DEFAULT.format(DEFAULTS.on_inconclusive)})."),
     junit: Path | None = typer.Option(None, "--junit", help="Also write the rules as JUnit XML here."),
     markdown: Path | None = typer.Option(None, "--markdown", help="Also write the rule table as Markdown here."),
 ) -> None:
-    """Check a run against the gate policy: exit 0 if no rule fails, 1 if one fails (a shown regression), 2 on unusable input, 3 if a rule is inconclusive and the policy requires power."""
+    """Check a run against the gate policy: exit 0 if every rule holds, 1 if one fails (a shown regression), 2 on unusable input, 3 if a rule is inconclusive (unless --on-inconclusive warn|pass)."""
     from rich.console import Console
 
     for path, flag in ((junit, "--junit"), (markdown, "--markdown")):
         if path is not None:
             check_output_path(path, flag)
     pol = with_overrides(load_policy(policy), config=config, metric=metric, min_speedup=min_speedup,
-                         max_accuracy_drop=max_accuracy_drop, min_identical=min_identical,
+                         min_identical=min_identical,
                          max_slowdown=max_slowdown, baseline=str(baseline) if baseline else None,
-                         margin=margin, require_power=require_power)
+                         margin=margin, on_inconclusive=on_inconclusive)
     from moebench.results.summary import read_summary
 
     summary, checked = verified_summary(run_dir)
@@ -44,7 +43,7 @@ def gate_command(
     code, last_line = outcome(rules, pol)
     title = f"moebench gate: {summary.get('run_id')} (policy: {pol.source})"
     if junit:
-        write_output(junit, junit_xml(rules, title, pol.require_power), "--junit")
+        write_output(junit, junit_xml(rules, title, pol.on_inconclusive), "--junit")
     if markdown:
         write_output(markdown, markdown_table(rules, title, pol).encode("utf-8"), "--markdown")
     console = Console()
@@ -55,6 +54,8 @@ def gate_command(
     for r in rules:
         if r.inconclusive and r.note:
             console.print(f"{r.name}: {r.note}", markup=False, highlight=False)
+        if r.warning:
+            console.print(f"warning: {r.name}: {r.warning}", markup=False, highlight=False)
     colour = {EXIT_PASS: "green", EXIT_FAIL: "bold red", EXIT_INCONCLUSIVE: "yellow"}[code]
     console.print(f"[{colour}]{last_line}[/{colour}]", highlight=False)
     raise typer.Exit(code)

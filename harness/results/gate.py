@@ -1,19 +1,18 @@
 """`moebench gate`: the report's verdict as a CI check. Each rule passes, fails (the run shows
-the problem) or is inconclusive (the run is too small to tell). Exit 0 if no rule fails and
-either none is inconclusive or the policy allows it (require_power = false, the default); 1 if
-any rule fails; 3 if none fails but some are inconclusive and the policy has require_power =
-true. Unusable input raises MoebenchError, which the CLI turns into exit 2 (one line). That
-includes a results directory whose summary.json disagrees with its raw samples and trials, or
-lacks them, and an output path (--junit, --markdown) that cannot be written: exit 1 means a
-shown regression and nothing else.
+the problem) or is inconclusive (the run is too small to tell). Exit 1 if any rule fails; else 3 if
+any is inconclusive and the policy's on_inconclusive is "fail" (the default); else 0 ("warn" and
+"pass" let inconclusive rules through, said so in the output). Unusable input raises
+MoebenchError, which the CLI turns into exit 2 (one line). That includes a results directory whose
+summary.json disagrees with its raw samples and trials, or lacks them, and an output path
+(--junit, --markdown) that cannot be written: exit 1 means a shown problem and nothing else.
 
 Rules (thresholds from the policy, moebench.results.policy; the policy's `metric` picks the speedup,
 whole-run output tok/s or decode tok/s):
   speedup    the gated config's 95% CI: lower bound >= min_speedup passes, upper bound below it
              fails, an interval across it (or none: one trial) is inconclusive
-  accuracy   every config: the non-inferiority verdict at `margin` (moebench.results.verdict): regression
-             fails, inconclusive is inconclusive; exact configs also: McNemar exact p >=
-             mcnemar_alpha, drop <= max_accuracy_drop points
+  accuracy   every config: the decision table of moebench.results.verdict at `margin`: identical
+             and non-inferior pass (a drop shown within the margin is a warning), regression
+             fails, inconclusive is inconclusive and says what run would decide it
   identical  every exact config: identical outputs >= min_identical
   activation every config: each switched-on optimization left evidence that it ran (a switch the
              workload could not exercise passes, and says "not exercised")
@@ -47,6 +46,7 @@ class Rule:
     passed: bool
     inconclusive: bool = False  # not passed, but not shown to fail either: too little data
     note: str = ""              # what to do about an inconclusive rule
+    warning: str = ""           # passed, with something the reader should know (a drop within the margin)
 
     @property
     def status(self) -> str:
@@ -104,43 +104,42 @@ def approximate(c: dict, policy: Policy) -> bool:
     return c["name"] in policy.approximate or bool(c.get("approximate"))
 
 
+def _what_would_decide(diff: dict, margin: float) -> str:
+    """`moebench plan`'s figure for this run: items for a non-inferior verdict with 80% probability
+    if nothing changed, with answers as discordant and as clustered as here."""
+    from moebench.results.paired_accuracy import items_for_margin
+
+    trials = max(int(diff.get("trials") or 1), 1)
+    psi = diff.get("discordance")
+    if psi is None:
+        return "rerun with more items (or more trials under sampling)"
+    need = items_for_margin(margin / 100, 0.5, trials, discordance=psi, deff=diff.get("design_effect") or 1.0)
+    return (f"about {need['diverged']} items x {trials} trial{'s' if trials != 1 else ''} would show "
+            f"non-inferiority at a {margin:g}-point margin with 80% probability if nothing changed, answers "
+            f"differing as in this run (moebench plan --discordance {psi:.3g})")
+
+
 def _verdict_rule(c: dict, policy: Policy) -> Rule:
-    from moebench.results.verdict import judge_accuracy
+    from moebench.results.verdict import PASSING, judge_accuracy
 
     vb = c["vs_baseline"]
-    v = judge_accuracy(vb, policy.margin, exact=not approximate(c, policy), alpha=policy.mcnemar_alpha)
+    v = judge_accuracy(vb, policy.margin, exact=not approximate(c, policy))
     diff = vb.get("accuracy_difference") or {}
     ci = diff.get("ci95")
     measured = "n/a (no paired items)" if not ci else (
         f"{v['verdict']}, {diff['points']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
-        + (f"; a drop >= {v['detectable_drop']:.1f} detectable" if v.get("detectable_drop") is not None else ""))
+        + (f"; a drop >= {v['detectable_drop']:.1f} would be a regression (80%)"
+           if v.get("detectable_drop") is not None and v["verdict"] != "regression" else ""))
     unsure = v["verdict"] == "inconclusive"
     note = ""
     if unsure:
-        note = (f"inconclusive: the interval {ci[0]:+.2f} to {ci[1]:+.2f} points reaches below "
-                f"-{policy.margin:g}; rerun with more items (or more trials under sampling)")
-    # fails on a shown drop: the interval below 0, or McNemar p < mcnemar_alpha against the config
+        trials = diff.get("trial_check") or {}
+        why = (f"trials disagree (trial {trials.get('standout')} stands out)" if trials.get("flagged") else
+               f"the interval {ci[0]:+.2f} to {ci[1]:+.2f} points reaches below -{policy.margin:g} and above 0")
+        note = f"inconclusive: {why}; {_what_would_decide(diff, policy.margin)}"
     return Rule(f"accuracy {c['name']}: verdict (margin {policy.margin:g})", measured,
-                f"CI lower > -{policy.margin:g} pts", v["verdict"] in ("identical", "non-inferior"),
-                unsure, note)
-
-
-def _accuracy_rules(c: dict, policy: Policy) -> list[Rule]:
-    from moebench.results.summary import format_p
-
-    vb = c["vs_baseline"]
-    p, delta = vb.get("mcnemar_p"), vb.get("accuracy_delta")
-    d = vb.get("discordant") or {}
-    drop = None if delta is None else 0.0 - delta  # 0.0 - x: no '-0.00'
-    return [
-        Rule(f"accuracy {c['name']}: McNemar exact p",
-             f"{format_p(p)} ({d.get('baseline_only', '?')} vs {d.get('config_only', '?')} discordant)",
-             f">= {policy.mcnemar_alpha:g}", p is not None and p >= policy.mcnemar_alpha),
-        Rule(f"accuracy {c['name']}: drop vs baseline",
-             "n/a" if drop is None else f"{drop:+.2f} points",
-             f"<= {policy.max_accuracy_drop:g} points",
-             drop is not None and drop <= policy.max_accuracy_drop + 1e-9),
-    ]
+                f"CI lower > -{policy.margin:g} pts", v["verdict"] in PASSING, unsure, note,
+                v.get("warning") or "")
 
 
 def _identity_rule(c: dict, policy: Policy) -> Rule:
@@ -207,7 +206,6 @@ def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
         if c.get("vs_baseline"):
             rules.append(_verdict_rule(c, policy))
             if not approximate(c, policy):
-                rules += _accuracy_rules(c, policy)
                 rules.append(_identity_rule(c, policy))
     rules += [_activation_rule(c) for c in summary["configs"]]
     return rules
@@ -220,19 +218,21 @@ EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 1, 3
 
 def outcome(rules: list[Rule], policy: Policy) -> tuple[int, str]:
     """The exit code and the last line: a failed rule is exit 1; an inconclusive one is exit 3
-    where the policy requires power, else a pass that says what could not be judged."""
+    unless the policy's on_inconclusive lets it pass ("warn" or "pass"), which the line says."""
     failed = sum(r.status == "FAIL" for r in rules)
     unsure = sum(r.inconclusive for r in rules)
+    warned = sum(bool(r.warning) for r in rules)
+    tail = f"; {warned} warning{'s' if warned != 1 else ''}" if warned else ""
     if failed:
         more = f"; {unsure} more inconclusive" if unsure else ""
-        return EXIT_FAIL, f"gate: FAIL ({failed} of {len(rules)} rules{more})"
-    if unsure and policy.require_power:
-        return EXIT_INCONCLUSIVE, (f"gate: INCONCLUSIVE ({unsure} of {len(rules)} rules could not be judged "
-                                   "and the policy has require_power = true; exit 3)")
+        return EXIT_FAIL, f"gate: FAIL ({failed} of {len(rules)} rules{more}{tail})"
+    if unsure and policy.on_inconclusive == "fail":
+        return EXIT_INCONCLUSIVE, (f"gate: INCONCLUSIVE ({unsure} of {len(rules)} rules could not be judged; "
+                                   f"on_inconclusive = fail; exit 3{tail})")
     if unsure:
         return EXIT_PASS, (f"gate: PASS, but {unsure} of {len(rules)} rules inconclusive (too little data to "
-                           "judge them; require_power = false lets them pass)")
-    return EXIT_PASS, "gate: PASS"
+                           f"judge them; the policy's on_inconclusive = {policy.on_inconclusive} lets them pass{tail})")
+    return EXIT_PASS, f"gate: PASS{tail}"
 
 
 def _verdict(rule: Rule) -> str:
@@ -252,20 +252,21 @@ def rich_table(rules: list[Rule], title: str):
     return table
 
 
-def junit_xml(rules: list[Rule], suite: str, require_power: bool = False) -> bytes:
-    """One testcase per rule: a failed rule is a <failure>; an inconclusive one is <skipped>, or a
-    <failure type="GateInconclusive"> where the policy requires power."""
+def junit_xml(rules: list[Rule], suite: str, on_inconclusive: str = "fail") -> bytes:
+    """One testcase per rule: a failed rule is a <failure>; an inconclusive one is a
+    <failure type="GateInconclusive">, or <skipped> where on_inconclusive lets it pass."""
+    inconclusive_fails = on_inconclusive == "fail"
     def failing(r: Rule) -> bool:
-        return r.status == "FAIL" or (r.inconclusive and require_power)
+        return r.status == "FAIL" or (r.inconclusive and inconclusive_fails)
     failures = sum(failing(r) for r in rules)
-    skipped = sum(r.inconclusive and not require_power for r in rules)
+    skipped = sum(r.inconclusive and not inconclusive_fails for r in rules)
     root = ET.Element("testsuites", name="moebench gate", tests=str(len(rules)), failures=str(failures))
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(rules)), failures=str(failures),
                        errors="0", skipped=str(skipped))
     for r in rules:
         case = ET.SubElement(ts, "testcase", classname="moebench.gate", name=r.name)
         # the JUnit schema puts <failure> and <skipped> before <system-out>
-        if r.inconclusive and not require_power:
+        if r.inconclusive and not inconclusive_fails:
             ET.SubElement(case, "skipped", message=r.note or "inconclusive")
         elif failing(r):
             kind = "GateInconclusive" if r.inconclusive else "GateFailure"
@@ -287,6 +288,7 @@ def markdown_table(rules: list[Rule], title: str, policy: Policy = DEFAULTS) -> 
              "| rule | measured | threshold | verdict |", "|---|---|---|---|"]
     lines += [f"| {cell(r.name)} | {cell(r.measured)} | {cell(r.threshold)} | {_verdict(r)} |" for r in rules]
     notes = [f"- {cell(r.name)}: {cell(r.note)}" for r in rules if r.inconclusive and r.note]
+    notes += [f"- {cell(r.name)}: warning: {cell(r.warning)}" for r in rules if r.warning]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 

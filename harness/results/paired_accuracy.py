@@ -18,10 +18,12 @@ measured by benchmarks/paired_accuracy_coverage.py, figures in docs/statistics.m
   is nothing to estimate deff from, and it is taken as the number of trials: any drop could have
   sat in whole items, which more trials of the same items cannot reveal.
 
-The detectable drop is Connor's (1987) sample size formula for McNemar's test, solved for the
-difference: the smallest drop d with d sqrt(n) >= z(1 - alpha/2) sqrt(psi) + z(power)
-sqrt(psi - d^2), n the effective number of pairs (pairs / deff) and psi the discordance rate,
-at least d (a drop of d needs at least d of the pairs discordant).
+- Trials are checked, not assumed exchangeable (trial_check): when the per-trial differences
+  vary more than sampling items explains, that excess widens the interval, and a significant one
+  is flagged (the verdict then cannot be non-inferior).
+
+The detectable drop is the smallest true drop the run would call a regression with 80% power,
+with the discordance the drop itself adds, in the worst of the answer models (detectable_drop).
 
 numpy only at import (scipy's normal quantiles come in lazily); every function takes arrays, so
 the coverage simulation runs the same code the summary does.
@@ -35,6 +37,7 @@ import numpy as np
 
 ALPHA = 0.05
 POWER = 0.80
+TRIAL_ALPHA = 0.01  # per-trial differences flagged as not exchangeable below this p
 _BISECTIONS = 60  # halves [-1, 1] to below 1e-17: past double precision on the difference
 
 TANGO = "Tango score interval for paired proportions (one trial per item)"
@@ -108,82 +111,195 @@ def design_effect(item_diff, item_pairs, gain, loss):
     return np.clip(np.nan_to_num(deff, nan=1.0), 1.0, np.maximum(largest, 1.0))
 
 
-def detectable_drop(pairs, discordance, alpha: float = ALPHA, power: float = POWER):
-    """Smallest true drop (a fraction) that McNemar's test at `alpha` (two-sided) detects with
-    `power`, given effective pairs and a discordance rate (Connor's formula, psi >= the drop)."""
-    n = np.asarray(pairs, dtype=float)
-    psi0 = np.asarray(discordance, dtype=float)
-    n, psi0 = np.broadcast_arrays(n, psi0)
-    za, zb = _z(1 - alpha / 2), _z(power)
+def detectable_drop(pairs, items, discordance, deff=1.0, margin=0.0, alpha: float = ALPHA,
+                    power: float = POWER):
+    """Smallest true drop (a fraction) that a run of this shape calls a `regression` (its interval
+    below 0 and reaching -margin or further) with probability >= `power`, in every answer model.
 
-    def short(d):  # > 0 while d is too small to be detected
-        psi = np.maximum(psi0, d)
-        return za * np.sqrt(psi) + zb * np.sqrt(np.maximum(psi - d * d, 0.0)) - d * np.sqrt(n)
+    The estimate's variance under a drop d is the run's own noise (its discordance, divided among
+    pairs / deff effective pairs, widened by the trial component's mean share, trial_widening)
+    plus what the drop itself adds. A drop adds the most when it
+    sits in whole items (an item lost in every trial): d (1 - d) / items, which a drop spread over
+    trials never exceeds. So d is detected once d >= (z(1 - alpha/2) + z(power)) sqrt(V(d)). A
+    regression also needs the interval to reach -margin, which it does in >= 97.5% of runs once
+    the drop is the margin (the two events move together: the joint power is the smaller), so the
+    figure is never below the margin. nan where no drop is detectable at that power: fewer than 20
+    items, or not even a drop of 100% would be. Simulated in four answer models, benchmarks/
+    paired_accuracy_coverage.py --power (docs/statistics.md)."""
+    n, m, psi0, deff, margin = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in
+                                                     (pairs, items, discordance, deff, margin)))
+    k = _z(1 - alpha / 2) + _z(power)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        widening = 1 + trial_widening(np.rint(np.where(m > 0, n / m, 1)))
+        noise = np.where(n > 0, deff * psi0 / n * widening, np.inf)
 
-    lo, hi = np.zeros_like(n), np.ones_like(n)
-    for _ in range(_BISECTIONS):
-        mid = (lo + hi) / 2
-        undetected = short(mid) > 0
-        lo, hi = np.where(undetected, mid, lo), np.where(undetected, hi, mid)
-    # Below ~8 pairs not even a drop of 100% reaches the power: nothing is detectable.
-    return np.where((n > 0) & (short(np.ones_like(n)) <= 0), hi, np.nan)
+        def short(d):  # > 0 while d is too small to be detected
+            return k * np.sqrt(noise + d * (1 - d) / m) - d
+
+        lo, hi = np.zeros_like(n), np.ones_like(n)
+        for _ in range(_BISECTIONS):
+            mid = (lo + hi) / 2
+            undetected = short(mid) > 0
+            lo, hi = np.where(undetected, mid, lo), np.where(undetected, hi, mid)
+        ok = (m >= MIN_ITEMS_FOR_POWER) & (n > 0) & (short(np.full_like(n, 0.999)) <= 0)
+    return np.where(ok, np.maximum(hi, margin), np.nan)
 
 
-def paired_difference(item_index, base_correct, config_correct, alpha: float = ALPHA,
-                      power: float = POWER) -> dict:
+def trial_widening(trials):
+    """The mean share by which the trial component widens the interval's variance when trials are
+    exchangeable: E[max(0, X / k - 1)], X ~ chi-square(k), k = trials - 1 (0 for one trial), i.e.
+    P(chi2(k + 2) > k) - P(chi2(k) > k). With answers that diverge it is the whole excess (0.37
+    at 3 trials, 0.27 at 5); where the noise sits in whole items the trial part is smaller."""
+    from scipy.stats import chi2
+
+    k = np.maximum(np.asarray(trials, dtype=float) - 1, 0)
+    safe = np.maximum(k, 1)
+    return np.where(k > 0, chi2.sf(safe, safe + 2) - chi2.sf(safe, safe), 0.0)
+
+
+MIN_ITEMS_FOR_POWER = 20  # below it the normal approximation above promises power the score test lacks
+
+
+def identical_bound(items: int, alpha: float = ALPHA) -> float:
+    """The most items (a share) that could change with no change among `items` seen, one-sided at
+    1 - alpha (Clopper-Pearson; about 3 / items at 95%). What `identical` certifies: the sample is
+    unchanged, and a population change larger than this would have shown in it."""
+    return float(1 - alpha ** (1 / items)) if items > 0 else math.nan
+
+
+def trial_check(item_trial_diff, alpha: float = TRIAL_ALPHA) -> dict:
+    """Do the per-trial paired differences vary more than sampling items explains?
+
+    item_trial_diff: config right - baseline right, shape [..., items, trials], items with every
+    trial paired. Under exchangeable trials each item's trial labels can be permuted freely; the
+    statistic Q = (T - 1) sum_t (S_t - S)^2 / sum_i sum_t (x_it - x_i)^2 (S_t: trial t's total;
+    Cochran's Q for values in {-1, 0, 1}) has mean T - 1 under that permutation, and is referred
+    to chi-square with T - 1 degrees of freedom. Also returns the between-trial variance of the
+    mean difference beyond what the permutation explains (a fraction squared, for widening the
+    interval: the trial component), and the trial that stands out most."""
+    x = np.asarray(item_trial_diff, dtype=float)
+    items, trials = x.shape[-2], x.shape[-1]
+    from scipy.stats import chi2
+
+    totals = x.sum(axis=-2)
+    between = ((totals - totals.mean(axis=-1, keepdims=True)) ** 2).sum(axis=-1)
+    within = ((x - x.mean(axis=-1, keepdims=True)) ** 2).sum(axis=(-2, -1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(within > 0, (trials - 1) * between / within, 0.0)
+        excess = np.maximum(between - within, 0.0) / max(trials - 1, 1) / (items * items * trials)
+    p = chi2.sf(q, max(trials - 1, 1)) if trials > 1 else np.ones_like(q)
+    standout = np.abs(totals - totals.mean(axis=-1, keepdims=True)).argmax(axis=-1)
+    return {"q": q, "p": p, "flagged": (p < alpha) & (trials > 1), "trial_variance": excess,
+            "standout": standout, "per_trial": totals / max(items, 1)}
+
+
+def with_trial_component(estimate, lower, upper, trial_variance, alpha: float = ALPHA):
+    """The interval widened on each side, in quadrature, by z times the standard error that the
+    trials' excess variance adds to their mean (trial_check's trial_variance); arrays broadcast."""
+    extra = _z(1 - alpha / 2) ** 2 * np.asarray(trial_variance, dtype=float)
+    est = np.asarray(estimate, dtype=float)
+    lo = est - np.sqrt((est - np.asarray(lower, dtype=float)) ** 2 + extra)
+    hi = est + np.sqrt((np.asarray(upper, dtype=float) - est) ** 2 + extra)
+    return np.maximum(lo, -1.0), np.minimum(hi, 1.0)
+
+
+def _item_trial_matrix(codes, trial_index, diff):
+    """[items, trials] paired differences of the items answered in every trial (None if fewer
+    than 2 trials or 2 such items)."""
+    _, tcodes = np.unique(np.asarray(trial_index), return_inverse=True)
+    items, trials = int(codes.max()) + 1, int(tcodes.max()) + 1
+    if trials < 2:
+        return None
+    x = np.zeros((items, trials))
+    seen = np.zeros((items, trials), dtype=bool)
+    x[codes, tcodes] = diff
+    seen[codes, tcodes] = True
+    full = seen.all(axis=1)
+    return x[full] if full.sum() >= 2 else None
+
+
+def paired_difference(item_index, base_correct, config_correct, trial_index=None,
+                      alpha: float = ALPHA) -> dict:
     """Accuracy difference config - baseline over every (item, trial) pair both configs answered,
-    clustered by item. item_index: an integer code of the item for each pair.
+    clustered by item. item_index: an integer code of the item for each pair; trial_index: its
+    trial (None: one trial each).
 
-    Returns fractions: estimate, lower, upper, detectable_drop; and counts: items, pairs, gain,
-    loss, trials (the largest number of paired trials of an item), design_effect, method."""
+    With several trials the interval also carries the trial component: the between-trial variance
+    of the per-trial differences beyond what sampling items explains (trial_check), added to each
+    side in quadrature; `trials_flagged` says when that excess is significant.
+
+    Returns fractions: estimate, lower, upper; counts: items, pairs, gain, loss, trials (the most
+    paired trials of an item); design_effect, discordance (share of pairs discordant), the trial
+    check (trial_p, trials_flagged, standout_trial, per_trial) and method."""
     idx = np.asarray(item_index, dtype=np.int64)
     b = np.asarray(base_correct, dtype=bool)
     c = np.asarray(config_correct, dtype=bool)
     if idx.size == 0:
         return {"estimate": math.nan, "lower": math.nan, "upper": math.nan, "items": 0, "pairs": 0,
-                "gain": 0, "loss": 0, "trials": 0, "design_effect": math.nan,
-                "detectable_drop": math.nan, "method": None}
+                "gain": 0, "loss": 0, "trials": 0, "design_effect": math.nan, "discordance": math.nan,
+                "trial_p": None, "trials_flagged": False, "standout_trial": None, "per_trial": None,
+                "method": None}
     _, codes = np.unique(idx, return_inverse=True)
-    diff = np.bincount(codes, weights=c.astype(float) - b.astype(float))
+    pair_diff = c.astype(float) - b.astype(float)
+    diff = np.bincount(codes, weights=pair_diff)
     pairs = np.bincount(codes).astype(float)
     gain, loss = int(np.sum(c & ~b)), int(np.sum(b & ~c))
     trials = int(pairs.max())
     deff = float(design_effect(diff, pairs, gain, loss)) if trials > 1 else 1.0
     n = float(idx.size)
-    lo, hi = tango_interval(gain / deff, loss / deff, n / deff, alpha)
-    mde = detectable_drop(n / deff, (gain + loss) / n, alpha, power)
-    return {"estimate": (gain - loss) / n, "lower": float(lo), "upper": float(hi),
-            "items": int(pairs.size), "pairs": int(n), "gain": gain, "loss": loss, "trials": trials,
-            "design_effect": deff, "detectable_drop": float(mde),
+    lo, hi = (float(v) for v in tango_interval(gain / deff, loss / deff, n / deff, alpha))
+    est = (gain - loss) / n
+    out = {"trial_p": None, "trials_flagged": False, "standout_trial": None, "per_trial": None}
+    matrix = _item_trial_matrix(codes, trial_index, pair_diff) if trial_index is not None else None
+    if matrix is not None:
+        check = trial_check(matrix)
+        labels = np.unique(np.asarray(trial_index))
+        lo, hi = (float(v) for v in with_trial_component(est, lo, hi, check["trial_variance"], alpha))
+        out = {"trial_p": float(check["p"]), "trials_flagged": bool(check["flagged"]),
+               "standout_trial": labels[int(check["standout"])].item(),
+               "per_trial": [float(v) for v in check["per_trial"]]}
+    return {"estimate": est, "lower": max(lo, -1.0), "upper": min(hi, 1.0), "items": int(pairs.size),
+            "pairs": int(n), "gain": gain, "loss": loss, "trials": trials, "design_effect": deff,
+            "discordance": (gain + loss) / n, **out,
             "method": TANGO if trials == 1 else CLUSTERED.format(trials=trials)}
 
 
-def planned_drop(items: int, baseline_accuracy: float, trials: int = 1, alpha: float = ALPHA,
-                 power: float = POWER) -> dict:
-    """The detectable drop before a run, in the two cases that bound it (fractions):
+# ---------------------------------------------------------------- planning a run
 
-    rare: outputs seldom differ from the baseline's, so every discordant pair is a lost answer and
-          the drop may sit in whole items (trials add nothing): n = items, psi = the drop;
-    independent: the config's answers differ from the baseline's like independent samples of an
-          item at the baseline's accuracy p (psi = 2 p (1 - p), the most sampling noise an item
-          set with that accuracy can have) and trials are independent: n = items x trials."""
+def planned_drop(items: int, baseline_accuracy: float, trials: int = 1, margin: float = 0.0,
+                 discordance: float | None = None, alpha: float = ALPHA, power: float = POWER) -> dict:
+    """The drop a run of this shape would call a regression with `power`, before it runs
+    (fractions), in two answer models:
+
+    same_seed: the config's outputs equal the baseline's except where it changes them (a shared
+               seed, greedy decoding, an exact-ish change), so pairs differ only by the drop, and
+               the drop may sit in whole items, which more trials cannot reveal;
+    diverged:  its answers differ from the baseline's like independent samples at the baseline's
+               accuracy p (2 p (1 - p) of pairs discordant; `discordance` replaces that figure,
+               e.g. from a pilot run), independently from trial to trial."""
     p = float(baseline_accuracy)
-    rare = detectable_drop(items, 0.0, alpha, power)
-    independent = detectable_drop(items * trials, 2 * p * (1 - p), alpha, power)
-    return {"rare": float(rare), "independent": float(independent)}
+    psi = 2 * p * (1 - p) if discordance is None else float(discordance)
+    same = detectable_drop(items * trials, items, 0.0, trials, margin, alpha, power)
+    diverged = detectable_drop(items * trials, items, psi, 1.0, margin, alpha, power)
+    return {"same_seed": float(same), "diverged": float(diverged), "discordance": psi}
 
 
-def items_for_margin(margin: float, baseline_accuracy: float, trials: int = 1, alpha: float = ALPHA,
+def items_for_margin(margin: float, baseline_accuracy: float, trials: int = 1,
+                     discordance: float | None = None, deff: float = 1.0, alpha: float = ALPHA,
                      power: float = POWER) -> dict:
-    """Items a run needs for a non-inferior verdict at `margin` (a fraction) when accuracy truly
-    did not change, in the same two cases as planned_drop:
+    """Items a run needs for a `non-inferior` verdict at `margin` (a fraction) with probability
+    `power` when accuracy truly did not change, in the models of planned_drop:
 
-    rare: no answer changes: the score interval of 0 discordant pairs in n items reaches
-          -z^2 / (n + z^2), so n > z^2 (1 - margin) / margin (then the verdict is certain);
-    independent: the interval's half-width z sqrt(psi / (n trials)) must fall below the margin
-          with probability `power`: n = (z(1 - alpha/2) + z(power))^2 psi / (margin^2 trials)."""
+    same_seed: no answer changes: the score interval of 0 discordant pairs in n items reaches
+               -z^2 / (n + z^2), so n > z^2 (1 - margin) / margin (then the verdict is certain);
+    diverged:  the interval's lower end, about -z sqrt(V) from an estimate of 0 that varies by
+               sqrt(V), V = psi deff (1 + trial_widening) / (n trials), must clear -margin in
+               `power` of runs: n = (z(1 - alpha/2) + z(power))^2 psi deff (1 + w) / (margin^2
+               trials). deff: the design effect a pilot run showed (1: trials independent)."""
     p = float(baseline_accuracy)
+    psi = 2 * p * (1 - p) if discordance is None else float(discordance)
     za, zb = _z(1 - alpha / 2), _z(power)
-    rare = math.floor(za * za * (1 - margin) / margin) + 1
-    independent = math.ceil((za + zb) ** 2 * 2 * p * (1 - p) / (margin * margin * trials))
-    return {"rare": int(rare), "independent": int(independent)}
+    same = math.floor(za * za * (1 - margin) / margin) + 1
+    spread = psi * deff * (1 + float(trial_widening(trials)))
+    diverged = math.ceil((za + zb) ** 2 * spread / (margin * margin * trials))
+    return {"same_seed": int(same), "diverged": int(max(diverged, same)), "discordance": psi}

@@ -21,19 +21,20 @@ BUILT_IN = "built-in defaults"
 METRICS = ("output", "decode")
 
 
+ON_INCONCLUSIVE = ("fail", "warn", "pass")
+
+
 @dataclass(frozen=True)
 class Policy:
     config: str | None = None        # the config whose speedup is gated; None: "all" or the last stacked
     metric: str = "output"           # which speedup is gated: "output" (whole run) or "decode"
     min_speedup: float = 1.2         # lower 95% bound of the speedup must reach this
-    max_accuracy_drop: float = 0.5   # accuracy points a config may lose against the baseline
-    min_identical: float = 0.99      # share of outputs identical to the baseline's
-    mcnemar_alpha: float = 0.05      # McNemar p below this is a detected accuracy change
+    min_identical: float = 0.99      # share of outputs identical to the baseline's (exact configs)
     max_slowdown: float = 0.05       # allowed fall of the speedup against a committed baseline (docs/gate.md)
     baseline: str | None = None      # committed summary.json to compare the speedup with
     approximate: tuple[str, ...] = field(default_factory=tuple)  # exempt from the identity rule
-    margin: float = 1.0              # non-inferiority margin of the accuracy verdict, in points
-    require_power: bool = False      # an inconclusive verdict (too few items or trials) fails: exit 3
+    margin: float = 1.0              # accuracy points a config may lose: the one accuracy knob
+    on_inconclusive: str = "fail"    # a rule the run is too small to judge: fail (exit 3), warn or pass (exit 0)
     source: str = field(default=BUILT_IN, compare=False)  # where the policy came from (not a key)
 
     def __post_init__(self):
@@ -41,11 +42,26 @@ class Policy:
             raise MoebenchError(f"policy metric {self.metric!r}: choose from {', '.join(METRICS)}")
         if not 0 < self.margin < 100:
             raise MoebenchError(f"policy margin {self.margin!r}: give accuracy points between 0 and 100")
+        if self.on_inconclusive not in ON_INCONCLUSIVE:
+            raise MoebenchError(f"policy on_inconclusive {self.on_inconclusive!r}: choose from "
+                                f"{', '.join(ON_INCONCLUSIVE)}")
+
+
+# Keys of older policies, refused with what replaces them: a gate must not keep running on a rule
+# that no longer means what its file says.
+RETIRED = {
+    "max_accuracy_drop": "the accuracy verdict has one knob now, margin (points a config may lose): "
+                         "set margin = {value:g} to keep that tolerance",
+    "mcnemar_alpha": "trial 0's McNemar test no longer decides the gate (the report still shows it); "
+                     "remove the key",
+    "require_power": "an inconclusive rule is now decided by on_inconclusive = \"fail\" | \"warn\" | "
+                     "\"pass\" (default \"fail\"); write on_inconclusive = \"{replacement}\"",
+}
 
 
 DEFAULTS = Policy()
 _KEYS = {f.name for f in fields(Policy)} - {"source"}
-_NUMBERS = {"min_speedup", "max_accuracy_drop", "min_identical", "mcnemar_alpha", "max_slowdown", "margin"}
+_NUMBERS = {"min_speedup", "min_identical", "max_slowdown", "margin"}
 
 
 def load_policy(path: Path | None) -> Policy:
@@ -65,6 +81,12 @@ def load_policy(path: Path | None) -> Policy:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise MoebenchError(f"{path}: not valid TOML ({e})") from None
     table = data.get("gate", data)
+    for key in sorted(set(table) & set(RETIRED)):
+        value = table[key]
+        replacement = "fail" if value is True else "warn"
+        raise MoebenchError(f"{path}: policy key {key} is retired: " + RETIRED[key].format(
+            value=value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0,
+            replacement=replacement))
     unknown = sorted(set(table) - _KEYS)
     if unknown:
         raise MoebenchError(f"{path}: unknown policy keys {unknown} (known: {sorted(_KEYS)})")
@@ -74,9 +96,10 @@ def load_policy(path: Path | None) -> Policy:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise MoebenchError(f"{path}: {key} must be a number, got {value!r}")
             values[key] = float(value)
-        elif key == "require_power":
-            if not isinstance(value, bool):
-                raise MoebenchError(f"{path}: require_power must be true or false, got {value!r}")
+        elif key == "on_inconclusive":
+            if value not in ON_INCONCLUSIVE:
+                raise MoebenchError(f"{path}: on_inconclusive must be one of {', '.join(ON_INCONCLUSIVE)}, "
+                                    f"got {value!r}")
             values[key] = value
         elif key == "approximate":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

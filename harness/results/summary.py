@@ -337,15 +337,17 @@ def _accuracy_difference(samples: pd.DataFrame, name: str, base: str) -> dict:
     pair = samples[samples["config"] == base][cols].merge(
         samples[samples["config"] == name][cols], on=["item_id", "trial"], suffixes=("_b", "_c"))
     d = paired_difference(pd.factorize(pair["item_id"])[0], pair["correct_b"].to_numpy(bool),
-                          pair["correct_c"].to_numpy(bool))
+                          pair["correct_c"].to_numpy(bool), trial_index=pair["trial"].to_numpy())
     pts = (lambda v: v * 100 if math.isfinite(v) else None)
     ci = _ci((d["lower"], d["upper"]))
     return {"points": pts(d["estimate"]), "ci95": [v * 100 for v in ci] if ci else None,
             "method": d["method"], "items": d["items"], "pairs": d["pairs"], "trials": d["trials"],
-            "design_effect": d["design_effect"],
+            "design_effect": d["design_effect"], "discordance": d["discordance"],
             "discordant": {"baseline_only": d["loss"], "config_only": d["gain"]},
             "identical_pairs": float((pair["output_b"] == pair["output_c"]).mean()) if len(pair) else None,
-            "detectable_drop": pts(d["detectable_drop"])}
+            # are the trials exchangeable? (per-trial differences in points; the trial that stands out)
+            "trial_check": {"p": d["trial_p"], "flagged": d["trials_flagged"], "standout": d["standout_trial"],
+                            "per_trial_points": [v * 100 for v in d["per_trial"]] if d["per_trial"] else None}}
 
 
 def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFrame],
@@ -471,6 +473,9 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
             "roofline": _roofline(steps, bandwidth, decode["median"]),
             "expert_load": t0.get("expert_load") if t0 and isinstance(t0.get("expert_load"), list) else None,
         }
+        ref = spec.get("reference")  # a config with a speedup of its own against another (ablation.py)
+        if ref in rates["decode"] and ref != name:
+            entry["vs_reference"] = {"config": ref, "speedup": _speedup(rates["decode"][name], rates["decode"][ref])}
         if name != base:
             vb = entry["vs_baseline"] = _vs_baseline(run, name, base, items, rates)
             vb["accuracy_difference"] = _accuracy_difference(run.samples, name, base)

@@ -1,19 +1,23 @@
 """The verdict in words: one sentence per config against the baseline (speed, then accuracy), and
-the accuracy verdict with its power: identical, non-inferior, regression or inconclusive.
+the accuracy verdict: one decision table, monotone in harm, with one knob, the margin (points).
 
 The accuracy verdict judges the paired difference config - baseline over every (item, trial)
-pair, clustered by item (moebench.results.paired_accuracy; summary.json's `accuracy_difference`), against
-a margin in points (docs/statistics.md):
+pair, clustered by item, with its trial component (moebench.results.paired_accuracy;
+summary.json's `accuracy_difference`):
 
   identical      an exact config (not marked approximate) whose every paired output equals the
-                 baseline's: accuracy cannot have changed on these items, whatever the interval;
-  regression     the interval lies entirely below 0, or trial 0's exact McNemar test finds a
-                 change (p < alpha) against the config;
-  non-inferior   the interval's lower end lies above -margin;
-  inconclusive   otherwise: too few items to tell a drop of the margin from none.
+                 baseline's: no item changed; the sentence says how many items like these could
+                 change unseen (one-sided 95%).                                               pass
+  non-inferior   the interval's lower end lies above -margin, and the trials agree with each
+                 other. An interval also below 0 is a drop shown within the margin: a warning.  pass
+  regression     the interval lies below 0 and non-inferiority is not shown.                 fail
+  inconclusive   neither: the run is too small (or its trials disagree) to tell a drop of the
+                 margin from none.                             fail by default (on_inconclusive)
 
-Every verdict states the smallest drop the run would have detected with 80% power. Light: no
-pandas or scipy at import (the report's and gate's --help import this module's callers).
+More evidence narrows the interval: a harmless drop (inside the margin) can only move from
+inconclusive to non-inferior, a harmful one only from inconclusive to regression. Trial 0's
+McNemar test is reported as the seed's own statistic; it decides nothing. Light: no pandas or
+scipy at import (the report's and gate's --help import this module's callers).
 """
 
 from __future__ import annotations
@@ -90,44 +94,83 @@ def verdict(summary: dict, name: str | None = None) -> str:
 
 # ---------------------------------------------------------------- the accuracy verdict
 
+VERDICTS = ("identical", "non-inferior", "regression", "inconclusive")
+PASSING = ("identical", "non-inferior")
+POWER_EVENT = "called a regression in >= 80% of runs like this one"
+ANSWER_MODELS = ("the worst of same-seed and diverged answers, a drop in whole items or spread "
+                 "over trials")
+
+
+def decide(lower, upper, margin_fraction, trials_flagged=False):
+    """The decision table on (arrays of) interval ends, as fractions: an array of verdict codes,
+    indices into VERDICTS (identical is decided from the outputs, before this)."""
+    import numpy as np
+
+    lo, hi, flagged = np.broadcast_arrays(np.asarray(lower, float), np.asarray(upper, float),
+                                          np.asarray(trials_flagged, bool))
+    non_inferior = (lo > -margin_fraction) & ~flagged
+    return np.where(non_inferior, 1, np.where(hi < 0, 2, 3))
+
+
 def _pts(v: float) -> str:
     return f"{0.0 + v:+.2f}"  # 0.0 + v: no "-0.00"
 
 
-def judge_accuracy(vb: dict, margin: float, exact: bool, alpha: float = 0.05) -> dict:
+def _detectable(diff: dict, margin: float) -> float | None:
+    """The detectable drop at this margin, in points (moebench.results.paired_accuracy)."""
+    from moebench.results.paired_accuracy import detectable_drop
+
+    if not diff.get("pairs") or diff.get("discordance") is None:
+        return diff.get("detectable_drop")  # a summary written before the inputs were kept
+    d = float(detectable_drop(diff["pairs"], diff["items"], diff["discordance"],
+                              diff.get("design_effect") or 1.0, margin / 100))
+    return None if d != d else d * 100
+
+
+def judge_accuracy(vb: dict, margin: float, exact: bool) -> dict:
     """The accuracy verdict of one config from its `vs_baseline` block: {verdict, margin,
-    detectable_drop (points), statement}; verdict None when nothing could be paired."""
+    detectable_drop (points), statement, warning}; verdict None when nothing could be paired."""
+    from moebench.results.paired_accuracy import identical_bound
+
     diff = vb.get("accuracy_difference") or {}
-    ci, drop = diff.get("ci95"), diff.get("detectable_drop")
-    out = {"verdict": None, "margin": margin, "detectable_drop": drop, "statement": None}
+    ci = diff.get("ci95")
+    out = {"verdict": None, "margin": margin, "detectable_drop": None, "statement": None, "warning": None}
     if not diff.get("pairs") or not ci:
         out["statement"] = "accuracy not comparable (no items in common with the baseline)"
         return out
-    est = diff["points"]
-    shape = f"{diff['items']} items" + (f" x {diff['trials']} trials" if diff.get("trials", 1) > 1 else "")
+    drop = out["detectable_drop"] = _detectable(diff, margin)
+    est, items = diff["points"], diff["items"]
+    shape = f"{items} items" + (f" x {diff['trials']} trials" if diff.get("trials", 1) > 1 else "")
     interval = f"{_pts(est)} points (95% CI {_pts(ci[0])} to {_pts(ci[1])}, {shape})"
-    power = ("" if drop is None else
-             f"a drop of {drop:.1f} points or more would have been detected with 80% power")
-    d = vb.get("discordant") or {}
-    p = vb.get("mcnemar_p")
-    against = p is not None and p < alpha and d.get("baseline_only", 0) > d.get("config_only", 0)
+    trials = diff.get("trial_check") or {}
+    flagged = bool(trials.get("flagged"))
+    power = ("no drop is detectable at 80% power with so few items" if drop is None else
+             f"a true drop of {drop:.1f} points or more would have been {POWER_EVENT} ({ANSWER_MODELS})")
     if exact and diff.get("identical_pairs") == 1:
         out["verdict"] = "identical"
-        text = (f"identical: all {diff['pairs']} paired outputs equal the baseline's (an exact "
-                f"optimization), so accuracy did not change on these items; difference {interval}")
-    elif ci[1] < 0 or against:
-        out["verdict"] = "regression"
-        why = "the interval lies below 0" if ci[1] < 0 else f"McNemar p = {format_p(p)} on trial 0"
-        text = f"regression: accuracy fell, {interval}; {why}"
-        power = ""
-    elif ci[0] > -margin:
-        out["verdict"] = "non-inferior"
+        bound = identical_bound(items)
+        out["statement"] = (f"identical: 0 of {items} items changed in any of {diff['pairs']} paired outputs "
+                            f"(an exact optimization): at most {bound:.1%} of items like these would change "
+                            f"(one-sided 95%, about 3/{items})")
+        return out
+    out["verdict"] = VERDICTS[int(decide(ci[0] / 100, ci[1] / 100, margin / 100, flagged))]
+    trial_words = ""
+    if flagged:
+        trial_words = (f"; the trials disagree more than sampling items explains (p = {format_p(trials.get('p'))}; "
+                       f"trial {trials.get('standout')} stands out), so non-inferiority cannot be shown")
+    if out["verdict"] == "non-inferior":
         text = f"non-inferior at a {margin:g}-point margin: difference {interval}"
+        if ci[1] < 0:
+            out["warning"] = (f"a drop of {-est:.2f} points is shown (the interval lies below 0), "
+                              f"within the {margin:g}-point margin")
+            text += f"; {out['warning']}"
+    elif out["verdict"] == "regression":
+        text = (f"regression: accuracy fell, {interval}; the interval lies below 0 and does not exclude a drop "
+                f"of the {margin:g}-point margin{trial_words}")
+        power = ""
     else:
-        out["verdict"] = "inconclusive"
-        text = (f"inconclusive: too few items: difference {interval} reaches below the "
-                f"-{margin:g}-point margin")
-    if power:
-        text += f"; {power}; none was"
-    out["statement"] = text
+        where = (f"reaches below the -{margin:g}-point margin and above 0" if ci[0] <= -margin / 1 else
+                 f"lies above the -{margin:g}-point margin")
+        text = f"inconclusive: difference {interval} {where}{trial_words}"
+    out["statement"] = text + (f"; {power}" if power else "")
     return out
