@@ -26,6 +26,9 @@ def train_bundled_command(
     batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
     lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 3e-3,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out greedy evals (0: never).")] = 300,
+    init_from: Annotated[Optional[Path], typer.Option(help="Start from this bundle's weights and tokenizer instead of "
+                                                           "random ones (same shape as --level's; e.g. the easy level's "
+                                                           "model for the hard level).")] = None,
     threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest on a shared machine).")] = 1,
     mtp: Annotated[bool, typer.Option("--mtp", help="Instead: train a multi-token-prediction head for the bundled "
                                                     "model (base frozen) and write the model plus mtp.safetensors to "
@@ -42,6 +45,8 @@ def train_bundled_command(
         raise MoebenchError(f"--level {level!r}: choose from {', '.join(DEFAULT_OUTS)}")
     if mtp and level != "easy":
         raise MoebenchError("--mtp trains a head for the easy level's model only")
+    if init_from is not None and not (init_from / "model.safetensors").is_file():
+        raise MoebenchError(f"--init-from {init_from}: no model.safetensors there")
     out = ensure_writable_dir(out if out is not None else DEFAULT_OUTS[level], "--out")
     log_file = out / ("mtp_train_log.txt" if mtp else "train_log.txt")
     log_file.write_text("")
@@ -59,4 +64,4 @@ def train_bundled_command(
     from moebench.models.train import train
 
     train(out=out, minutes=minutes, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
-          eval_every=eval_every, threads=threads, log=log, level=level)
+          eval_every=eval_every, threads=threads, log=log, level=level, init_from=init_from)

@@ -188,7 +188,7 @@ def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: i
 def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: int = 3200,
           batch_size: int = 16, lr: float = 3e-3, eval_every: int = 300, eval_items: int = 100,
           final_eval: bool = True, threads: int = 1, save_checkpoints: bool = False, log=print,
-          level: str = "easy"):
+          level: str = "easy", init_from: Path | None = None):
     from moebench.suites.synth import format_training_text
 
     lvl = LEVELS[level]
@@ -201,8 +201,14 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    corpus = [format_training_text(p.question, p.answer) for p in generate_split("train", 20000)]
-    tok = build_tokenizer(corpus)
+    if init_from is None:
+        corpus = [format_training_text(p.question, p.answer) for p in generate_split("train", 20000)]
+        tok = build_tokenizer(corpus)
+    else:  # a warm start keeps the starting model's tokenizer, so its embeddings mean what they meant
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(init_from) / "tokenizer.json"))
+        tok.no_padding()  # the saved file pads batches; training pads its own
     hf_tok = make_hf_tokenizer(tok)
     cfg = hf_config(tok.get_vocab_size(), lvl.model_config)
     # validation: train-bucket problems from a separate seed, kept out of training
@@ -211,6 +217,11 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
 
     model = TrainModel(cfg)
     model.init_weights(seed)
+    if init_from is not None:
+        start, _ = load_bundle(init_from)
+        weights = {k: v for k, v in start.state_dict().items() if k != "lm_head.weight"}  # tied: the embedding
+        model.load_state_dict(weights)
+        log(f"initialised from {init_from} (model.safetensors sha256 {_file_sha256(Path(init_from) / 'model.safetensors')[:16]})")
     nparams = sum(p.numel() for p in model.parameters())
     log(f"params {nparams/1e6:.2f}M  vocab {cfg.vocab_size}  config {json.dumps(lvl.model_config)}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -283,13 +294,16 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
     log(f"saved to {out}")
     result = {"steps": nsteps, "time_limited": time_limited, "train_minutes": round(train_s / 60, 1), "seed": seed,
               "params": nparams}
-    if level != "easy":  # the easy bundle's record predates these fields; keep it as it was written
+    if level != "easy" or init_from is not None:  # the easy bundle's record predates these fields
         result.update(level=level, suite=lvl.suite, batch_size=batch_size, lr=lr,
                       data=f"{lvl.module}.iter_problems('train', seed={seed + TRAIN_STREAM_OFFSET}), "
                            f"minus {eval_items} validation problems from seed {seed + VALIDATION_OFFSET}")
+        if init_from is not None:
+            result.update(init_from=str(init_from),
+                          init_sha256=_file_sha256(Path(init_from) / "model.safetensors"))
     if final_eval:
         result.update(evaluate_bundle(out, threads=threads, log=log, suite=lvl.suite))
-    level_flag = "" if level == "easy" else f" --level {level}"
+    level_flag = ("" if level == "easy" else f" --level {level}") + (f" --init-from {init_from}" if init_from else "")
     result["command"] = (f"moebench train-bundled{level_flag} --minutes {minutes:g} --seed {seed} --steps {steps} "
                          f"--batch-size {batch_size} --lr {lr:g} --eval-every {eval_every} --threads {threads}")
     (out / "train_result.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -300,6 +314,12 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
 
         write_hard_model_card(out, result)
     return result
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def write_model_card(out: Path, r: dict):
