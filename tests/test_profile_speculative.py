@@ -63,17 +63,30 @@ def test_evidence_resting_on_the_flag_alone_is_caught_by_profiles_check(tmp_path
     path = tmp_path / "weak.toml"
     path.write_text((text[:start] + weak + text[end:]).replace('recorded = "../tests', f'recorded = "{REPO}/tests'))
     weak_ngram = _profile(path, "ngram")
-    assert judge(weak_ngram, load_observation(LOGS / "vllm-0.34.0-speculative", "baseline")).ok
+    verdict = judge(weak_ngram, {"baseline": load_observation(LOGS / "vllm-0.34.0-speculative", "baseline")},
+                    load_profiles(path).profiles, "baseline")
+    assert not verdict.refused and verdict.echo_proved == ["ngram"]  # it discriminates, by echo alone
     problems = check_profile(path, echo=lambda _: None)
-    assert len(problems) == 1 and "profile 'ngram': its evidence accepts" in problems[0]
-    assert problems[0].endswith("ngram.no-drafts.log, output recorded as not proving it")
+    assert any("profile 'ngram': 'ngram' is proved only by the server repeating its arguments" in p for p in problems)
+    accepts = [p for p in problems if "profile 'ngram': its evidence accepts" in p]
+    assert len(accepts) == 1 and accepts[0].endswith("ngram.no-drafts.log, output recorded as not proving it")
 
 
 def test_vllm_speculative_items_all_fail_on_the_baseline():
-    base = load_observation(LOGS / "vllm-0.34.0-speculative", "baseline")
+    """Judged against the baseline alone every item proves speculative decoding; judged against
+    the other method too, what tells n-gram from MTP drafts is the config line alone (echo), which
+    the profile marks echo_only with its reason."""
+    folder = LOGS / "vllm-0.34.0-speculative"
+    pf = load_profiles(VLLM)
     for name in ("ngram", "mtp"):
-        verdict = judge(_profile(VLLM, name), base)
-        assert verdict.ok and not verdict.shared and len(verdict.proving) == 4
+        profile = _profile(VLLM, name)
+        verdict = judge(profile, {"baseline": load_observation(folder, "baseline")}, pf.profiles, "baseline")
+        assert verdict.ok is False and not verdict.shared and len(verdict.proving) == 4  # marked, yet all runtime
+        every = {n: load_observation(folder, n) for n in ("baseline", "ngram", "mtp")}
+        verdict = judge(profile, every, pf.profiles, "baseline")
+        assert verdict.ok and verdict.echo_proved == [name] and profile.echo_only
+        assert [i.kind for i in verdict.proofs[name]] == ["echo"]
+        assert {i.kind for i in verdict.proofs["speculative-decoding"]} == {"runtime"}
 
 
 def test_sglang_mtp_log_line_needs_a_nonzero_acceptance_rate():

@@ -1,14 +1,20 @@
-"""Evidence that discriminates: a piece of evidence proves a configuration only if it does not
-also hold for the configuration it is compared with, the baseline.
+"""Evidence that discriminates: a piece of evidence proves an optimization of a configuration only
+if no configuration of the profile that lacks that optimization shows it too.
 
 A log line every server of the engine prints (SGLang's one-line `server_args={...}` dump names
 `enable_fp32_lm_head` and `fp8_gemm_runner_backend` whatever is switched on) or an endpoint field
-with the same value in both proves nothing: a switch the server silently ignored would pass.
-So every must-match item of every non-baseline configuration is judged against the baseline's
-own observation as well; one that holds there is refused, unless the profile marks it
-`shared = true` on purpose (a readiness line, say), and a configuration needs at least one item
-that the baseline fails. The same rule for the bundled runtime's switches: the checks a switched-on
-configuration passes must fail on the baseline's evidence.
+with the same value in both proves nothing: a switch the server silently ignored would pass. And a
+stacked configuration (cuda-graphs+prefix-cache+fp8-kv) inherits the evidence of its predecessors:
+that evidence proves the predecessors' optimizations, never the one the step adds. So each
+must-match item of a configuration is judged against the observation of every other configuration
+and attributed to the optimizations it can prove: those it fails for wherever they are off. An item
+attributed to none is refused, unless the profile marks it `shared = true` on purpose (a readiness
+line, a setting kept from the baseline). Each optimization a configuration enables needs an item
+of its own, and at least one of kind "runtime" (a counter, a log line, a value that changes only
+when it ran): an optimization proved by echo alone (the server repeating its arguments) is refused
+unless the profile marks the configuration `echo_only = true` with its reason. The same rule for
+the bundled runtime's switches: the checks a switched-on configuration passes must fail on the
+baseline's evidence.
 """
 
 from __future__ import annotations
@@ -23,28 +29,61 @@ from moebench.errors import ActivationError, MoebenchError
 
 @dataclass
 class Verdict:
-    """One configuration's must-match evidence, judged against the baseline's observation."""
+    """One configuration's must-match evidence, judged against the other configurations'
+    observations."""
 
     profile: Profile
-    proving: list[MustItem] = field(default_factory=list)  # fails for the baseline
-    shared: list[tuple[MustItem, object]] = field(default_factory=list)  # marked shared
-    refused: list[tuple[MustItem, object]] = field(default_factory=list)  # holds for the baseline, not marked
+    baseline: str
+    proofs: dict = field(default_factory=dict)  # optimization -> the items that prove it
+    shared: list = field(default_factory=list)  # (item, seen on the baseline): marked shared
+    refused: list = field(default_factory=list)  # (item, the config it also holds for, seen there)
+
+    @property
+    def proving(self) -> list[MustItem]:
+        return list(dict.fromkeys(i for items in self.proofs.values() for i in items))
+
+    @property
+    def unproved(self) -> list[str]:
+        return [o for o in self.profile.enables if not self.proofs.get(o)]
+
+    @property
+    def echo_proved(self) -> list[str]:
+        """Optimizations whose only proof is the server repeating its arguments."""
+        return [o for o in self.profile.enables
+                if self.proofs.get(o) and all(i.kind == "echo" for i in self.proofs[o])]
 
     @property
     def ok(self) -> bool:
-        return not self.refused and bool(self.proving)
+        return self.problem() is None
 
-    def problem(self, baseline: str) -> str | None:
-        """The first reason this configuration's evidence cannot tell it from the baseline."""
+    def _where(self, other: str) -> str:
+        return f"the baseline '{other}'" if other == self.baseline else f"'{other}'"
+
+    def problem(self) -> str | None:
+        """The first reason this configuration's evidence cannot stand as its proof."""
+        name = self.profile.name
         if self.refused:
-            item, seen = self.refused[0]
+            item, other, seen = self.refused[0]
             more = f" (and {len(self.refused) - 1} more)" if len(self.refused) > 1 else ""
-            return (f"profile '{self.profile.name}': evidence {item.label} also holds for the baseline "
-                    f"'{baseline}' (there: {_short(seen)}){more}, so it cannot tell the two apart; "
+            return (f"profile '{name}': evidence {item.label} also holds for {self._where(other)} "
+                    f"(there: {_short(seen)}){more}, so it cannot tell the two apart; "
                     f"narrow it, or mark it shared = true if that is intended")
-        if not self.proving:
-            return (f"profile '{self.profile.name}' has no evidence that the baseline '{baseline}' lacks "
-                    f"(every must-match item is shared or there is none)")
+        if self.unproved:
+            missing = self.unproved[0]
+            if not self.proving:
+                return (f"profile '{name}' has no evidence that the baseline '{self.baseline}' lacks "
+                        f"(every must-match item is shared or there is none)")
+            return (f"profile '{name}' has no evidence of {missing!r} that the configurations without it "
+                    f"lack (what it shows proves {', '.join(o for o in self.profile.enables if o != missing)})")
+        echo = self.echo_proved
+        if echo and not self.profile.echo_only:
+            labels = "; ".join(i.label for i in self.proofs[echo[0]])
+            return (f"profile '{name}': {echo[0]!r} is proved only by the server repeating its arguments "
+                    f"(echo: {labels}); add runtime evidence (a counter, a log line or a value that changes "
+                    f"only when it ran), or mark the profile echo_only = true with echo_only_reason")
+        if self.profile.echo_only and not echo:
+            return (f"profile '{name}' is marked echo_only, yet every optimization it enables has runtime "
+                    f"evidence; drop echo_only and echo_only_reason")
         return None
 
 
@@ -53,22 +92,36 @@ def _short(seen) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
-def judge(profile: Profile, baseline: Observation) -> Verdict:
-    verdict = Verdict(profile)
+def judge(profile: Profile, observations: dict[str, Observation], profiles, baseline: str) -> Verdict:
+    """`observations`: what each other configuration's server showed (by name; the baseline's at
+    least). An item proves optimization O when it fails for every observed configuration without
+    O; where it proves several, those it also holds for wherever they are on are kept (MTP's
+    acceptance line fails on the server that has only the MoE runner, so it proves MTP, not the
+    runner)."""
+    verdict = Verdict(profile, baseline)
+    enables = {p.name: set(p.enables) for p in profiles}
+    others = [n for n in observations if n != profile.name and n in enables]
     for item in must_items(profile.evidence):
-        holds, seen = item_holds(item, baseline)
+        holds_for = {n: item_holds(item, observations[n]) for n in others}
         if item.shared:
-            verdict.shared.append((item, seen))
-        elif holds:
-            verdict.refused.append((item, seen))
-        else:
-            verdict.proving.append(item)
+            verdict.shared.append((item, holds_for.get(baseline, (False, None))[1]))
+            continue
+        proves = [o for o in profile.enables
+                  if not any(holds_for[n][0] for n in others if o not in enables[n])]
+        consistent = [o for o in proves if all(holds_for[n][0] for n in others if o in enables[n])]
+        if not proves:
+            # name the configuration it cannot be told from: the baseline first
+            other = next(n for n in sorted(others, key=lambda n: n != baseline) if holds_for[n][0])
+            verdict.refused.append((item, other, holds_for[other][1]))
+            continue
+        for o in consistent or proves:
+            verdict.proofs.setdefault(o, []).append(item)
     return verdict
 
 
 def observed_paths(profiles) -> dict[str, set[str]]:
-    """The endpoint paths the given configurations' evidence reads, per moment: what the
-    baseline's server must also be asked, to judge that evidence against it."""
+    """The endpoint paths the given configurations' evidence reads, per moment: what every
+    other configuration's server must also be asked, to judge that evidence against it."""
     paths: dict[str, set[str]] = {"start": set(), "end": set()}
     for profile in profiles:
         for check in profile.evidence.endpoints:
@@ -76,10 +129,14 @@ def observed_paths(profiles) -> dict[str, set[str]]:
     return paths
 
 
-def refuse_non_discriminating(source: Path | str, baseline: Profile, others, observation: Observation) -> None:
-    """One line naming the profile file and entry whose evidence also holds for the baseline."""
+def refuse_non_discriminating(source: Path | str, baseline: Profile, others, observations) -> None:
+    """One line naming the profile file and the entry whose evidence cannot prove it.
+    `observations`: an Observation of the baseline, or a dict of them by configuration name."""
+    if isinstance(observations, Observation):
+        observations = {baseline.name: observations}
+    profiles = [baseline, *others]
     for profile in others:
-        problem = judge(profile, observation).problem(baseline.name)
+        problem = judge(profile, observations, profiles, baseline.name).problem()
         if problem:
             raise MoebenchError(f"{source}: {problem}")
 

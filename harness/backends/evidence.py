@@ -9,7 +9,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from moebench.backends.profiles import EndpointCheck, Evidence
+from moebench.backends.log_readers import READERS, log_number
+from moebench.backends.profiles import EndpointCheck, Evidence, LogValue
 
 
 @dataclass
@@ -31,17 +32,23 @@ class Observation:
 
 @dataclass(frozen=True)
 class MustItem:
-    """One piece of must-match evidence: a log regex or an endpoint check."""
+    """One piece of must-match evidence: a log regex, a number read from the log, or an endpoint
+    check; `kind` says whether it shows the optimization ran ("runtime") or only that the server
+    repeats its arguments ("echo")."""
 
     label: str
     shared: bool
     pattern: str | None = None
     check: EndpointCheck | None = None
+    value: LogValue | None = None
+    kind: str = "echo"
 
 
 def must_items(evidence: Evidence) -> list[MustItem]:
-    items = [MustItem(f"log ~ {p!r}", p in evidence.log_shared, pattern=p) for p in evidence.log_must]
-    items += [MustItem(f"{c.label} ({c.when})", c.shared, check=c) for c in evidence.endpoints]
+    items = [MustItem(f"log ~ {p!r}", p in evidence.log_shared, pattern=p,
+                      kind="runtime" if p in evidence.log_runtime else "echo") for p in evidence.log_must]
+    items += [MustItem(v.label, v.shared, value=v, kind=v.kind) for v in evidence.log_values]
+    items += [MustItem(f"{c.label} ({c.when})", c.shared, check=c, kind=c.kind) for c in evidence.endpoints]
     return items
 
 
@@ -82,11 +89,30 @@ def check_failure(check: EndpointCheck, obs: Observation) -> tuple[object, str |
     return value, None
 
 
+def read_log_value(value: LogValue, log: str) -> float | None:
+    if value.reader is not None:
+        return READERS[value.reader](log)
+    return log_number(value.pattern, log)
+
+
+def log_value_failure(value: LogValue, obs: Observation) -> tuple[object, str | None]:
+    number = read_log_value(value, obs.log)
+    if number is None:
+        return None, f"server log has no number for {value.pattern!r}"
+    check = EndpointCheck("log", None, value.reader or value.pattern, value.condition, value.expected)
+    if not holds(check, number):
+        return number, f"{value.label}: read {number:g}"
+    return number, None
+
+
 def item_holds(item: MustItem, obs: Observation) -> tuple[bool, object]:
     """Whether one must-match item holds for an observation, and what it saw there."""
     if item.pattern is not None:
         seen = log_match(item.pattern, obs.log)
         return seen is not None, seen
+    if item.value is not None:
+        number, problem = log_value_failure(item.value, obs)
+        return problem is None, number
     value, problem = check_failure(item.check, obs)
     return problem is None, value if problem is None else problem
 
@@ -107,6 +133,10 @@ def evaluate(evidence: Evidence, when: str, obs: Observation) -> tuple[dict, lis
             seen[f"log !~ {pattern}"] = match
             if match is not None:
                 errors.append(f"server log matches the forbidden {pattern!r}: {match[:120]!r}")
+        for value in evidence.log_values:
+            seen[value.label], problem = log_value_failure(value, obs)
+            if problem:
+                errors.append(problem + where)
     for check in evidence.endpoints:
         if check.when != when:
             continue

@@ -81,16 +81,18 @@ class HttpBackend:
                 server.stop()
 
     def warm_up(self, suite, n_items: int) -> None:
-        """Start each configuration once and prove its evidence before any trial is measured; the
-        baseline first, whose own output must fail every other configuration's evidence
-        (moebench.backends.discrimination)."""
+        """Start each configuration once and prove its evidence before any trial is measured. The
+        baseline first: its own output must fail every other configuration's evidence before any
+        other server starts; once all have run, each configuration's evidence is judged against
+        every configuration that lacks what it enables (moebench.backends.discrimination)."""
         from moebench.backends.discrimination import observed_paths, refuse_non_discriminating
         from moebench.errors import ActivationError
 
+        # every server also answers what the others' evidence reads, so each configuration's
+        # evidence can be judged against every other one's server
+        observe = observed_paths(self.configs) if self.profiles is not None else None
+        observations = {}
         for i, cfg in enumerate(self.configs):
-            # the baseline's server also answers what the others' evidence reads, so that evidence
-            # can be judged against it before any other server starts
-            observe = observed_paths(self.configs[1:]) if i == 0 and self.profiles is not None else None
             with self.session(cfg, "warmup", observe) as engine:
                 result = engine.generate(self.warmup_requests)
                 observed = engine.server.observed if engine.server is not None else None
@@ -99,10 +101,15 @@ class HttpBackend:
                 raise MoebenchError(f"config '{cfg.name}': {result.failed_requests} warm-up requests failed ({first})")
             if result.activation_errors:
                 raise ActivationError(f"config '{cfg.name}': " + "; ".join(result.activation_errors))
-            if observe is not None:
-                if cfg.name in self.running:  # keep_running: the trials need only its own evidence
-                    self.running[cfg.name].observe = {}
-                refuse_non_discriminating(self.profiles.path, cfg, self.configs[1:], observed)
+            if observe is None:
+                continue
+            if cfg.name in self.running:  # keep_running: the trials need only its own evidence
+                self.running[cfg.name].observe = {}
+            observations[cfg.name] = observed
+            if i == 0:
+                refuse_non_discriminating(self.profiles.path, cfg, self.configs[1:], observations)
+        if observe is not None and len(self.configs) > 1:
+            refuse_non_discriminating(self.profiles.path, self.configs[0], self.configs[1:], observations)
 
     def describe(self) -> dict:
         d = {"engine": "openai", "options": vars(self.options), "served_model": self.served_model,

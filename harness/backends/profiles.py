@@ -9,13 +9,19 @@ from __future__ import annotations
 import hashlib
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moebench.errors import MoebenchError
 
 CONDITIONS = ("equals", "matches", "at_least", "above")
 WHEN = ("start", "end")
+# Two classes of evidence. "runtime": a counter, a log line or a value that changes only when the
+# optimization ran (drafts accepted, a KV cache allocated in the narrower dtype, a prompt decoded
+# beside running sequences). "echo": the server repeating the arguments it was given (a resolved
+# config dump, /server_info). An echo shows that a flag parsed, never that anything ran, so it is
+# the default: an item is runtime only where the profile says so.
+KINDS = ("runtime", "echo")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class EndpointCheck:
     expected: object
     when: str = "start"
     shared: bool = False  # holds for the baseline too, on purpose (not counted as proof)
+    kind: str = "echo"
 
     @property
     def label(self) -> str:
@@ -35,15 +42,36 @@ class EndpointCheck:
 
 
 @dataclass(frozen=True)
+class LogValue:
+    """A number read from the server's whole log at the end: the largest capture of `pattern`'s
+    first group (thousands separators dropped), or what a named reader of
+    moebench.backends.log_readers computes (a count of events no single line shows)."""
+
+    pattern: str | None
+    reader: str | None
+    condition: str  # equals, at_least or above
+    expected: float
+    kind: str = "echo"
+    shared: bool = False
+
+    @property
+    def label(self) -> str:
+        what = f"~ {self.pattern!r}" if self.pattern is not None else f"reader {self.reader}"
+        return f"log {what} {self.condition} {self.expected!r}"
+
+
+@dataclass(frozen=True)
 class Evidence:
     log_must: tuple[str, ...] = ()
     log_must_not: tuple[str, ...] = ()
     endpoints: tuple[EndpointCheck, ...] = ()
     log_shared: frozenset = frozenset()  # log_must patterns marked shared = true
+    log_runtime: frozenset = frozenset()  # log_must patterns marked kind = "runtime"
+    log_values: tuple[LogValue, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.log_must or self.log_must_not or self.endpoints)
+        return not (self.log_must or self.log_must_not or self.endpoints or self.log_values)
 
 
 @dataclass(frozen=True)
@@ -56,6 +84,10 @@ class Profile:
     env: dict = field(default_factory=dict, hash=False)
     evidence: Evidence = Evidence()
     approximate: bool = False
+    # the optimizations this configuration switches on (none for the baseline): its evidence must
+    # prove each against every configuration of the file that lacks it
+    enables: tuple[str, ...] = ()
+    echo_only: str | None = None  # why echo is all the server can show, where the profile says so
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "engine": "openai", "command": list(self.command), "args": list(self.args),
@@ -65,8 +97,13 @@ class Profile:
                           "endpoints": [c.label for c in self.evidence.endpoints],
                           "shared": sorted(self.evidence.log_shared) + [c.label for c in self.evidence.endpoints
                                                                         if c.shared]}}
+        if self.evidence.log_values:
+            d["evidence"]["log_values"] = [v.label for v in self.evidence.log_values]
+        d["enables"] = list(self.enables)
         if self.approximate:
             d["approximate"] = True
+        if self.echo_only:
+            d["echo_only"] = self.echo_only
         return d
 
 
@@ -149,13 +186,45 @@ def _endpoint(path: Path, where: str, raw) -> EndpointCheck:
     when = raw.get("when", "start")
     if when not in WHEN:
         _fail(path, f"{where}: when must be one of {', '.join(WHEN)}")
-    unknown = set(raw) - {"path", "field", "metric", "when", "shared", *CONDITIONS}
+    unknown = set(raw) - {"path", "field", "metric", "when", "shared", "kind", *CONDITIONS}
     if unknown:
         _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     if cond in ("at_least", "above") and not isinstance(raw[cond], (int, float)):
         _fail(path, f"{where}: {cond} needs a number")
     return EndpointCheck(raw["path"], raw.get("field"), raw.get("metric"), cond, raw[cond], when,
-                         _shared(path, where, raw))
+                         _shared(path, where, raw), _kind(path, where, raw))
+
+
+def _kind(path: Path, where: str, raw: dict) -> str:
+    kind = raw.get("kind", "echo")
+    if kind not in KINDS:
+        _fail(path, f"{where}: kind must be one of {', '.join(map(repr, KINDS))}")
+    return kind
+
+
+def _log_value(path: Path, where: str, raw) -> LogValue:
+    from moebench.backends.log_readers import READERS
+
+    if not isinstance(raw, dict) or ("pattern" in raw) == ("reader" in raw):
+        _fail(path, f"{where}: give exactly one of 'pattern' (a regex with one group) or 'reader'")
+    unknown = set(raw) - {"pattern", "reader", "kind", "shared", "equals", "at_least", "above"}
+    if unknown:
+        _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    conditions = [c for c in ("equals", "at_least", "above") if c in raw]
+    if len(conditions) != 1 or not isinstance(raw[conditions[0]], (int, float)):
+        _fail(path, f"{where}: give exactly one of equals, at_least, above, with a number")
+    pattern, reader = raw.get("pattern"), raw.get("reader")
+    if pattern is not None:
+        try:
+            groups = re.compile(pattern).groups
+        except (re.error, TypeError) as e:
+            _fail(path, f"{where}: bad regex {pattern!r} ({e})")
+        if groups < 1:
+            _fail(path, f"{where}: the pattern needs a group around the number it reads")
+    elif reader not in READERS:
+        _fail(path, f"{where}: no log reader {reader!r} (known: {', '.join(sorted(READERS))})")
+    return LogValue(pattern, reader, conditions[0], raw[conditions[0]], _kind(path, where, raw),
+                    _shared(path, where, raw))
 
 
 def _shared(path: Path, where: str, raw: dict) -> bool:
@@ -165,27 +234,30 @@ def _shared(path: Path, where: str, raw: dict) -> bool:
     return shared
 
 
-def _log_must(path: Path, where: str, value) -> tuple[tuple[str, ...], frozenset]:
-    """log_must entries: a regex, or a table { pattern = '...', shared = true } for a line that
+def _log_must(path: Path, where: str, value) -> tuple[tuple[str, ...], frozenset, frozenset]:
+    """log_must entries: a regex (echo), or a table { pattern = '...', kind = "runtime" } for a line
+    logged only when the optimization ran, or { pattern = '...', shared = true } for a line that
     the baseline prints too and that is required on purpose (a readiness line, say)."""
     if value is None:
-        return (), frozenset()
+        return (), frozenset(), frozenset()
     if not isinstance(value, list):
         _fail(path, f"{where} must be a list of regexes or {{ pattern = '...', shared = true }} tables")
-    patterns, shared = [], set()
+    patterns, shared, runtime = [], set(), set()
     for i, entry in enumerate(value):
         if isinstance(entry, dict):
-            unknown = set(entry) - {"pattern", "shared"}
+            unknown = set(entry) - {"pattern", "shared", "kind"}
             if unknown or not isinstance(entry.get("pattern"), str):
-                _fail(path, f"{where}[{i}]: a table entry needs 'pattern' (and optionally 'shared')")
+                _fail(path, f"{where}[{i}]: a table entry needs 'pattern' (and optionally 'shared', 'kind')")
             patterns.append(entry["pattern"])
             if _shared(path, f"{where}[{i}]", entry):
                 shared.add(entry["pattern"])
+            if _kind(path, f"{where}[{i}]", entry) == "runtime":
+                runtime.add(entry["pattern"])
         elif isinstance(entry, str):
             patterns.append(entry)
         else:
             _fail(path, f"{where}[{i}] must be a regex or a {{ pattern = '...' }} table")
-    return tuple(patterns), frozenset(shared)
+    return tuple(patterns), frozenset(shared), frozenset(runtime)
 
 
 def _evidence(path: Path, where: str, raw) -> Evidence:
@@ -193,10 +265,10 @@ def _evidence(path: Path, where: str, raw) -> Evidence:
         return Evidence()
     if not isinstance(raw, dict):
         _fail(path, f"{where} must be a table")
-    unknown = set(raw) - {"log_must", "log_must_not", "endpoint"}
+    unknown = set(raw) - {"log_must", "log_must_not", "endpoint", "log_value"}
     if unknown:
         _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    log_must, log_shared = _log_must(path, f"{where}.log_must", raw.get("log_must"))
+    log_must, log_shared, log_runtime = _log_must(path, f"{where}.log_must", raw.get("log_must"))
     log_must_not = _strings(path, f"{where}.log_must_not", raw.get("log_must_not"))
     for pattern in log_must + log_must_not:
         try:
@@ -207,7 +279,41 @@ def _evidence(path: Path, where: str, raw) -> Evidence:
     if not isinstance(endpoints, list):
         _fail(path, f"{where}.endpoint must be an array of tables ([[profile.evidence.endpoint]])")
     checks = tuple(_endpoint(path, f"{where}.endpoint[{i}]", e) for i, e in enumerate(endpoints))
-    return Evidence(log_must, log_must_not, checks, log_shared)
+    values = raw.get("log_value", [])
+    if not isinstance(values, list):
+        _fail(path, f"{where}.log_value must be an array of tables ([[profile.evidence.log_value]])")
+    log_values = tuple(_log_value(path, f"{where}.log_value[{i}]", v) for i, v in enumerate(values))
+    return Evidence(log_must, log_must_not, checks, log_shared, log_runtime, log_values)
+
+
+def _enables(path: Path, where: str, entry: dict, baseline: bool) -> tuple[str, ...]:
+    """What a configuration switches on; by default its name split at "+" (a stacked step,
+    "cuda-graphs+prefix-cache", switches on both)."""
+    raw = entry.get("enables")
+    if raw is None:
+        return () if baseline else tuple(entry["name"].split("+"))
+    names = _strings(path, f"{where}.enables", raw)
+    if baseline and names:
+        _fail(path, f"{where}: the baseline enables nothing (it is what every optimization is judged against)")
+    if not baseline and (not names or not all(names)):
+        _fail(path, f"{where}: enables must name at least one optimization")
+    return names
+
+
+def _echo_only(path: Path, where: str, entry: dict, baseline: bool) -> str | None:
+    flag, reason = entry.get("echo_only", False), entry.get("echo_only_reason")
+    if not isinstance(flag, bool):
+        _fail(path, f"{where}: echo_only must be true or false")
+    if reason is not None and not flag:
+        _fail(path, f"{where}: echo_only_reason without echo_only = true")
+    if not flag:
+        return None
+    if baseline:
+        _fail(path, f"{where}: the baseline proves nothing of its own, so it cannot be echo_only")
+    if not isinstance(reason, str) or not reason.strip():
+        _fail(path, f"{where}: echo_only = true needs echo_only_reason = '...' (why the server shows "
+                    f"nothing but its own arguments), which the report prints beside the configuration")
+    return reason.strip()
 
 
 def load_profiles(path: Path) -> ProfileFile:
@@ -230,7 +336,7 @@ def load_profiles(path: Path) -> ProfileFile:
     entries = raw.get("profile")
     if not isinstance(entries, list) or not entries:
         _fail(path, "no [[profile]] entries")
-    profiles, baseline = [], None
+    profiles, raw_profiles, baseline = [], [], None
     for i, entry in enumerate(entries):
         where = f"profile[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
@@ -238,22 +344,29 @@ def load_profiles(path: Path) -> ProfileFile:
         name = entry["name"]
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
             _fail(path, f"{where}: name {name!r} may hold only letters, digits and _ . + -")
-        unknown = set(entry) - {"name", "args", "env", "evidence", "approximate", "baseline", "description"}
+        unknown = set(entry) - {"name", "args", "env", "evidence", "approximate", "baseline", "description",
+                                "enables", "echo_only", "echo_only_reason"}
         if unknown:
             _fail(path, f"{where} ({name}): unknown key(s) {', '.join(sorted(unknown))}")
         args = _strings(path, f"{where}.args", entry.get("args"))
         env = {**server_env, **_env(path, f"{where}.env", entry.get("env"))}
         evidence = _evidence(path, f"{where}.evidence", entry.get("evidence"))
-        profile = Profile(name, command + args, args, env, evidence, bool(entry.get("approximate", False)))
+        raw_profiles.append((i, entry, Profile(name, command + args, args, env, evidence,
+                                               bool(entry.get("approximate", False)))))
         if entry.get("baseline"):
             if baseline is not None:
-                _fail(path, f"two profiles say baseline = true ({baseline.name}, {name})")
-            baseline = profile
-        profiles.append(profile)
+                _fail(path, f"two profiles say baseline = true ({baseline}, {name})")
+            baseline = name
+    baseline = baseline or raw_profiles[0][2].name
+    for i, entry, profile in raw_profiles:
+        is_base = profile.name == baseline
+        where = f"profile[{i}] ({profile.name})"
+        profiles.append(replace(profile, enables=_enables(path, where, entry, is_base),
+                                echo_only=_echo_only(path, where, entry, is_base)))
     names = [p.name for p in profiles]
     if len(set(names)) != len(names):
         _fail(path, "duplicate profile names")
-    baseline = baseline or profiles[0]
+    baseline = next(p for p in profiles if p.name == baseline)
     if baseline.approximate:
         _fail(path, f"the baseline profile {baseline.name!r} cannot be approximate")
     profiles.remove(baseline)

@@ -1,9 +1,11 @@
 """`moebench profiles check FILE`: a profile's evidence judged against recorded server output,
-without a server. Per configuration: which evidence would prove it (it holds on the
-configuration's own recorded output and fails on the baseline's), which is shared with the
-baseline on purpose, and which would not prove it (it holds for the baseline too). A profile with
-evidence that does not discriminate, or that fails on its own configuration's recorded output,
-exits 2 with one line naming the entry: the same refusal `moebench run` makes at warm-up.
+without a server. Per configuration and per optimization it enables: the evidence that proves it,
+by kind (runtime: it changes only when the optimization ran; echo: the server repeating its
+arguments), what is shared on purpose, and what would not prove it (it holds for a configuration
+that lacks the optimization). A profile whose evidence does not discriminate, proves an
+optimization by echo alone without `echo_only = true` and a reason, or fails on its own
+configuration's recorded output, exits 2 with one line naming the entry: the same refusal
+`moebench run` makes at warm-up.
 """
 
 from __future__ import annotations
@@ -25,42 +27,57 @@ def _profiles() -> None:
     """Server profiles: the configurations of an engine and the evidence that proves each."""
 
 
+def _print_verdict(verdict, echo) -> None:
+    for optimization in verdict.profile.enables:
+        items = verdict.proofs.get(optimization, [])
+        runtime = [i.label for i in items if i.kind == "runtime"]
+        echoed = [i.label for i in items if i.kind == "echo"]
+        echo(f"  {optimization}: runtime {len(runtime)}, echo {len(echoed)}")
+        for label in runtime:
+            echo(f"    runtime: {label}")
+        for label in echoed:
+            echo(f"    echo: {label}")
+    for item, _ in verdict.shared:
+        echo(f"  shared on purpose, proves nothing alone: {item.label}")
+    for item, other, seen in verdict.refused:
+        echo(f"  does NOT prove it, '{other}' shows it too: {item.label} (there: {str(seen)[:80]!r})")
+    if verdict.profile.echo_only:
+        echo(f"  echo-only (marked): {verdict.profile.echo_only}")
+
+
 def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[str]:
     """Print the judgement of every configuration; return the problems (none: the profile passes)."""
+    from glob import escape as glob_escape
+
     from moebench.backends.discrimination import judge
     from moebench.backends.evidence import evaluate, must_items
     from moebench.backends.profiles import load_profiles
-    from glob import escape as glob_escape
-
     from moebench.backends.recorded import load_observation, recorded_folder
+    from moebench.errors import MoebenchError
 
     pf = load_profiles(path)
     folder = recorded_folder(recorded if recorded is not None else pf.recorded_dir)
     base = pf.baseline
-    base_obs = load_observation(folder, base.name)
-    if base_obs is None:
-        from moebench.errors import MoebenchError
-
+    observations = {p.name: obs for p in pf.profiles if (obs := load_observation(folder, p.name)) is not None}
+    if base.name not in observations:
         raise MoebenchError(f"{folder}: no recorded output of the baseline ({base.name}.log)")
     engine = pf.checked.get("engine", "not named in the profile")
     echo(f"{pf.path}: checked against {engine}; recorded output in {folder}")
-    problems: list[str] = []  # evidence that does not discriminate
+    problems: list[str] = []  # evidence that does not discriminate, or echo alone
     failing: list[str] = []  # evidence that fails on its own configuration's output
+    marked: list[str] = []
     for profile in pf.profiles:
-        own = load_observation(folder, profile.name)
-        echo(f"\n[{profile.name}]" + (" (baseline)" if profile is base else "") +
-             (" (approximate)" if profile.approximate else ""))
+        own = observations.get(profile.name)
+        echo(f"\n[{profile.name}]" + (" (baseline)" if profile is base else f" enables {', '.join(profile.enables)}")
+             + (" (approximate)" if profile.approximate else ""))
         if profile is not base:
-            verdict = judge(profile, base_obs)
-            for item in verdict.proving:
-                echo(f"  proves it (the baseline fails it): {item.label}")
-            for item, seen in verdict.shared:
-                echo(f"  shared with the baseline on purpose, proves nothing alone: {item.label}")
-            for item, seen in verdict.refused:
-                echo(f"  does NOT prove it, the baseline shows it too: {item.label} (there: {str(seen)[:80]!r})")
-            problem = verdict.problem(base.name)
+            verdict = judge(profile, observations, pf.profiles, base.name)
+            _print_verdict(verdict, echo)
+            problem = verdict.problem()
             if problem:
                 problems.append(f"{pf.path}: {problem}")
+            elif profile.echo_only:
+                marked.append(f"{profile.name} ({', '.join(verdict.echo_proved)}: {profile.echo_only})")
         else:
             for item in must_items(profile.evidence):
                 echo(f"  required of the baseline: {item.label}")
@@ -81,6 +98,8 @@ def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[
         if errors:
             failing.append(f"{pf.path}: profile '{profile.name}': its evidence fails on its own recorded output "
                            f"({own.source}): {errors[0]}")
+    if marked:
+        echo("\necho-only, marked in the profile: " + "; ".join(marked))
     return problems + failing
 
 
@@ -90,15 +109,16 @@ def check_command(
     recorded: Path = typer.Option(None, "--recorded", help="A folder of recorded server output, <config>.log and "
                                   "<config>.endpoints.json (default: the profile's [checked] recorded)."),
 ) -> None:
-    """Print, per configuration, the evidence that would prove it and what would not; exit 2 if a
-    configuration's evidence also holds for the baseline or fails on its own recorded output."""
+    """Print, per configuration and optimization, its runtime and echo evidence and what would not
+    prove it; exit 2 if evidence also holds for a configuration without the optimization, proves it
+    by echo alone (unless marked echo_only), or fails on its own recorded output."""
     from moebench.errors import MoebenchError
 
     problems = check_profile(file, recorded)
     if problems:
         more = f" (and {len(problems) - 1} more above)" if len(problems) > 1 else ""
         raise MoebenchError(problems[0] + more)
-    print("\nevery configuration has evidence of its own")
+    print("\nevery configuration has evidence of its own, at runtime unless marked echo-only")
 
 
 @app.command("record")
