@@ -33,6 +33,7 @@ import torch
 from moebench.engine import Engine, Request, RuntimeConfig
 from moebench.engine import model as model_module
 from moebench.engine import moe as moe_module
+from moebench.engine import runner as runner_module
 from moebench.engine.config import DECODE_PATHS
 from moebench.kernels import cpu_dense
 from moebench.measuring.bench_models import benchmark_checkpoint
@@ -81,9 +82,9 @@ def instrument(vocab_size: int) -> None:
                 whole - sum(after.values()) + sum(before.values()))
             return result
 
-    def timed_native_layers(self):
-        layers = native_layers(self)
-        return None if layers is None else TimedLayers(layers)
+    def timed_native_layers(self, experts):
+        layers, head_inside = native_layers(self, experts)
+        return TimedLayers(layers), head_inside
 
     transformer.native_decode_layers = timed_native_layers
     plain_linear = model_module.linear
@@ -97,7 +98,8 @@ def instrument(vocab_size: int) -> None:
         return plain_linear(x, w, bias)
 
     model_module.linear = linear
-    forward = transformer.forward
+    step_runner = runner_module.StepRunner  # every runner's run: the engine's step calls it
+    forward = step_runner.run
 
     def timed_forward(self, batch, kv, all_positions=False):
         timing[0] = batch.max_q == 1
@@ -108,7 +110,7 @@ def instrument(vocab_size: int) -> None:
         timing[0] = False
         return result
 
-    transformer.forward = timed_forward
+    step_runner.run = timed_forward
 
 
 def weight_bytes(ckpt, decode_steps: list[dict]) -> dict[str, float]:

@@ -45,8 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from moebench.engine import Engine, RuntimeConfig
-    from moebench.engine.decode_path import step_context
-    from moebench.engine.model import build_forward_batch
+    from moebench.engine.runner import build_forward_batch
     from moebench.kernels.cpu_moe import load_extension
     from moebench.measuring.bench_models import benchmark_checkpoint
 
@@ -68,9 +67,7 @@ def main() -> None:
         prompt = torch.randint(1, vocab, (160,), generator=g).tolist()
         model.forward(build_forward_batch([prompt], [0], [table], bs, rt.device), session.kv)
     batch = build_forward_batch([[5 + b] for b in range(args.batch)], [160] * args.batch, tables, bs, rt.device)
-    native = model.native_decode_layers()
-    if native is None:
-        raise SystemExit("run_lengths: this model's decode step does not run as one native call")
+    native = session.runner.native  # the native runner's DecodeLayers (decode_path native was asked for)
     default_run_bytes = ext.stream_run_bytes()
     configs = {f"{args.base_kb} KB" if args.base_kb else "fixed": args.base_kb * 1024, f"{args.run_kb} KB": args.run_kb * 1024}
     times = {name: defaultdict(list) for name in configs}
@@ -81,11 +78,10 @@ def main() -> None:
             ext.set_stream_run_bytes(configs[name])
             spent, whole = defaultdict(float), 0.0
             for _ in range(args.forwards):
-                with step_context(model):
-                    before, start = native.part_seconds(), time.perf_counter()
-                    logits[name] = model.forward(batch, session.kv)
-                    whole += time.perf_counter() - start
-                    after = native.part_seconds()
+                before, start = native.part_seconds(), time.perf_counter()
+                logits[name] = session.runner.run(batch, session.kv)  # (it enters the step's threads)
+                whole += time.perf_counter() - start
+                after = native.part_seconds()
                 for part, seconds in after.items():
                     spent[part] += seconds - before[part]
             times[name]["forward"].append(whole / args.forwards * 1e3)

@@ -72,8 +72,7 @@ def main() -> None:
     import torch
 
     from moebench.engine import Engine, RuntimeConfig
-    from moebench.engine.decode_path import step_context
-    from moebench.engine.model import build_forward_batch
+    from moebench.engine.runner import build_forward_batch
     from moebench.engine.speculative import draft_context_reads
 
     torch.set_num_threads(1)
@@ -96,7 +95,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         vocab = ckpt.config.vocab_size
         print(f"model {args.model}: {ckpt.config.num_layers} layers, hidden {ckpt.config.hidden_size}, vocab {vocab}; "
-              f"context {args.context}; decode path {session.model.decode_path.evidence().get('path')}")
+              f"context {args.context}; decode path {session.runner.name}")
         bs = rt.kv_block_size
         for b in args.batch:
             tables = []
@@ -119,7 +118,7 @@ def main() -> None:
                 return build_forward_batch(rows, cached, tabs, bs, rt.device)
 
             batches = {0: batch_of(0), **{k: batch_of(k) for k in args.k}}
-            runs = {k: (lambda fb=fb: session.model.forward(fb, session.kv)) for k, fb in batches.items()}
+            runs = {k: (lambda fb=fb: session.runner.run(fb, session.kv)) for k, fb in batches.items()}
             if head is not None:
                 H = ckpt.config.hidden_size
                 for rows in (1, 2):
@@ -134,8 +133,7 @@ def main() -> None:
             reads = {}
             for k, fb in batches.items():
                 session.stats.take_step()
-                with step_context(session.model):
-                    session.model.forward(fb, session.kv)
+                session.runner.run(fb, session.kv)  # a decode step's threads, as the engine runs it
                 routing = session.stats.take_step()
                 seqs = [SimpleNamespace(prompt_ids=[0] * (args.context + 1), output_ids=[]) for _ in range(b)]
                 reread = b * draft_context_reads(args.context, k)
@@ -143,12 +141,11 @@ def main() -> None:
             times = {k: [] for k in runs}
             for _ in range(args.rounds):
                 for k, run in runs.items():
-                    with step_context(session.model):  # as the engine runs a decode step
-                        run()  # warm
-                        t = time.perf_counter()
-                        for _ in range(args.steps):
-                            run()
-                        times[k].append((time.perf_counter() - t) / args.steps * 1e3)
+                    run()  # warm (the runner enters a decode step's threads itself, as in the engine)
+                    t = time.perf_counter()
+                    for _ in range(args.steps):
+                        run()
+                    times[k].append((time.perf_counter() - t) / args.steps * 1e3)
             plain = statistics.median(times[0])
 
             def ratio(k):

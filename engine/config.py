@@ -196,10 +196,6 @@ class RuntimeConfig:
         ):
             if value not in allowed:
                 raise MoebenchError(f"unknown {name} '{value}' (choose from: {', '.join(allowed)})")
-        if self.decode_path == "native" and (self.kernel != "fused" or self.prefetch != "off"):
-            # the MoE op inside the one C++ call is the fused kernel, and no prefetch hook runs in it
-            raise MoebenchError(f"decode path 'native' cannot run with kernel={self.kernel}, prefetch={self.prefetch}: "
-                                "it needs kernel=fused and prefetch=off (use --decode-path chained)")
         from moebench.engine.speculative import check_spec
 
         check_spec(self.speculative, self.spec_tokens, self.spec_max_batch)

@@ -1,4 +1,5 @@
-"""Which path a decode step runs: decided here, once per session, and recorded in the evidence.
+"""Which path a session's decode steps run: decided here, once when the session starts, as the step
+runner it builds (engine/runner.py), and recorded in the evidence.
 
 The decode path is an axis of its own, the CPU counterpart of what CUDA graphs are to vLLM and
 SGLang (`--enforce-eager`, `--disable-cuda-graph`). It never depends on the MoE kernel, the
@@ -7,155 +8,128 @@ scheduler or the prefetcher, so flipping any of those switches leaves it as it w
 - `chained`: the extension's step ops (kernels/csrc/decode_layer.cpp), a decode step's attention
   sub-layer and router each one native call, layer by layer; the MoE op, whichever the `kernel`
   switch chose, is called from Python between them. The step's parallel work runs on the
-  extension's thread pool and torch's own on one thread (DecodePath.step_context), for both
-  kernels alike.
+  extension's thread pool and torch's own on one thread, for both kernels alike.
 - `native`: the same ops with every layer of a step, from the token ids to the logits, in one C++
   call (DecodeLayers). The MoE op inside that call is the fused C++ kernel on resident experts, so
-  this path needs kernel=fused, every expert resident and prefetch=off; asked for anywhere else, it
-  is refused before the run starts, never quietly replaced.
+  this path needs kernel=fused, every expert resident, prefetch=off and every layer an MoE layer;
+  asked for anywhere else, it is refused before the run starts (`native_refusal`), never quietly
+  replaced.
 - `eager`: each op called on its own from Python, torch keeping its threads (no step thread pool).
 
 `auto` is `chained` where the extension's ops run (float32 on the CPU, the extension built), else
 `eager`: a quiet choice between those two changes no result, only where time goes, and the evidence
-says which ran and why.
+says which ran and why. A family whose layers run only from Python (Ling's `bailing_hybrid`) runs
+`eager` and refuses the other two.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
-import torch
-
 from moebench.engine.config import DECODE_PATHS as CHOICES
 from moebench.errors import MoebenchError
+
 DEFAULT = "auto"
+# families whose layers the step ops run (engine/model.py's MoeTransformer); others run eager only
+STEP_OP_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-class DecodePath:
-    """The path this session's decode steps run, and what they were observed to run on."""
-
-    def __init__(self, requested: str, name: str, why: str, chains: bool):
-        self.requested = requested
-        self.name = name  # native | chained | eager
-        self.why = why
-        # the attention sub-layer and router as one native call each (MOEBENCH_DECODE_CHAINS=0 calls
-        # their ops one by one inside the same path, an A/B knob of benchmarks/decode_breakdown.py)
-        self.chains = chains
-        self._threads = None  # the context decode steps run in (step_context), made when a session starts
-        self._ext = None  # the extension whose streamed-dot counters the evidence reads, if any
-        self._streams_start = None  # those counters when the session started (simd_stats)
-
-    @property
-    def pool(self) -> bool:
-        """Whether decode steps run their parallel work on the extension's thread pool."""
-        return self.name != "eager"
-
-    @property
-    def whole_step(self) -> bool:
-        return self.name == "native"
-
-    def step_context(self):
-        """The context each decode step's forward runs in (engine/llm_engine.py enters it), made once
-        per session: the extension's StepThreads (kernels/csrc/dense_cpu.cpp), which on a path with the
-        step's thread pool gives the pool torch's threads and torch one for the step, and counts each
-        step by the threads it ran on, read inside the step; without the extension, TorchThreads."""
-        if self._threads is None:
-            from moebench.kernels.cpu_moe import load_extension
-
-            ext = load_extension()
-            if ext is not None and hasattr(ext, "StepThreads"):
-                self._threads = ext.StepThreads(self.pool)
-                if hasattr(ext, "simd_stats"):
-                    self._ext, self._streams_start = ext, dict(ext.simd_stats())
-            else:
-                self._threads = TorchThreads()
-        return self._threads
-
-    def evidence(self) -> dict:
-        return {"requested": self.requested, "path": self.name, "why": self.why, "chains": self.chains,
-                "step_pool": self.pool, "decode_threads": dict(self._threads.seen()) if self._threads else {},
-                "streamed_dots": self.streamed_dots()}
-
-    def streamed_dots(self) -> dict | None:
-        """Which kernel the extension's streamed dot products and tiles of 4+ tokens ran in this process
-        (avx512 or avx2, kernels/csrc/cpu_common.h) and the weight rows each streamed (1-3 tokens) or
-        tiled (4+) since this session started (its step_context), as the extension counted them, and
-        the run length its streamed items aim at now (cpu_common.h: streamed_item_rows; 0: fixed row
-        counts); None before that or without the extension."""
-        if not self._ext or self._streams_start is None:
-            return None
-        now = dict(self._ext.simd_stats())
-        counted = [k for k in now if k.endswith("_rows")]
-        run_bytes = {"stream_run_bytes": self._ext.stream_run_bytes()} if hasattr(self._ext, "stream_run_bytes") else {}
-        return {"kernel": now["streams"], **{k: now[k] - self._streams_start[k] for k in counted}, **run_bytes}
+def native_refusal(cfg, runtime) -> str | None:
+    """Why `native` cannot run for a model of config `cfg` under `runtime`, from what is known before
+    anything is loaded (the CLI asks before a run claims its folder; `decide` asks again), or None."""
+    if cfg.family not in STEP_OP_FAMILIES:
+        return f"the {cfg.family} model runs its layers from Python only (--decode-path eager or auto)"
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    if dense:
+        return f"the model has dense layers ({', '.join(map(str, dense))}), which the one native call does not run"
+    if runtime.kernel != "fused" or runtime.prefetch != "off":
+        # the MoE op inside the one call is the fused kernel, and no prefetch hook runs in it
+        return (f"it needs kernel=fused and prefetch=off, not kernel={runtime.kernel}, prefetch={runtime.prefetch} "
+                "(use --decode-path chained)")
+    budget = runtime.expert_budget
+    if isinstance(budget, float) and budget < 1:
+        return f"expert budget {budget} leaves experts out of memory, and the one call loads none"
+    return None
 
 
-def decide(requested: str | None, model, runtime=None, experts_resident: bool = True) -> DecodePath:
-    """The decode path of a session of `model` (an MoeTransformer) for `requested` (a CHOICES entry,
-    None for auto). `runtime` and `experts_resident` (whether its store holds every expert: the
-    session's store, engine/store/factory.py, says) are checked against what `native` needs."""
+def path_refusal(requested: str, cfg, runtime) -> str | None:
+    """The one-line reason `requested` cannot run on this model and runtime, or None (checked once
+    per run before it starts, and again by `decide`)."""
+    if requested == "native":
+        why = native_refusal(cfg, runtime)
+        return f"decode path 'native' cannot run: {why}" if why else None
+    if requested == "chained" and cfg.family not in STEP_OP_FAMILIES:
+        return f"decode path 'chained' cannot run: the {cfg.family} model runs its layers from Python only"
+    return None
+
+
+def decide(requested: str | None, model, runtime=None, moe_block=None, experts_resident: bool = True):
+    """The step runner of a session of `model` for `requested` (a CHOICES entry, None for auto).
+    `runtime`, `moe_block` (the session's, set on the model) and `experts_resident` (whether its
+    store holds every expert) are checked against what `native` needs; without a runtime only the
+    model is (tests drive a model alone)."""
+    from moebench.engine import runner as R
+
     requested = requested or DEFAULT
     if requested not in CHOICES:
         raise MoebenchError(f"unknown decode path '{requested}' (choose from: {', '.join(CHOICES)})")
-    chains = bool(getattr(model, "chains_available", False))
+    cfg = model.cfg
+    if runtime is not None:
+        refusal = path_refusal(requested, cfg, runtime)
+        if refusal:
+            raise MoebenchError(refusal)
+    if cfg.family not in STEP_OP_FAMILIES:  # its own forward, from Python
+        return R.StepRunner(model, lambda batch, kv, all_positions, chained: model.forward(batch, kv, all_positions),
+                            R.TorchThreads(), requested, f"the {cfg.family} model runs its layers from Python",
+                            R.TORCH)
+    ext, threads = _step_threads(model, pool=requested != "eager" and model.ops is not None)
     if model.ops is None:
         why_not = ("the step ops run only on float32 CPU weights, with the C++ extension built "
                    "(it did not build, or the model is not float32 on the CPU)")
         if requested in ("native", "chained"):
             raise MoebenchError(f"decode path '{requested}' cannot run: {why_not}")
-        return DecodePath(requested, "eager", "asked for" if requested == "eager" else why_not, False)
+        return R.StepRunner(model, model.forward_torch, threads, requested,
+                            "asked for" if requested == "eager" else why_not, R.TORCH, ext)
     if requested == "eager":
-        return DecodePath(requested, "eager", "asked for", False)
+        model.decode_chains = False
+        return R.StepRunner(model, model.forward_layers, threads, requested, "asked for", R.LAYER_BY_LAYER, ext)
     if requested == "native":
-        problem = native_step_problem(model, runtime, experts_resident)
+        problem = _native_model_problem(model)
+        experts = moe_block.resident_experts() if moe_block is not None else None
+        if problem is None and moe_block is not None and (not experts_resident or experts is None):
+            problem = ("the experts are not all resident float32, bfloat16 or int8 rows of one dtype for the "
+                       "fused C++ kernel")
         if problem:
             raise MoebenchError(f"decode path 'native' cannot run: {problem} (use --decode-path chained)")
-        return DecodePath(requested, "native", "asked for", True)
-    return DecodePath(requested, "chained", "asked for" if requested == "chained" else
-                      "the extension's step ops run here (auto picks chained, never native)", chains)
+        model.decode_chains = True
+        if moe_block is None:  # a model alone (tests): the layers are built when its MoE block is set
+            raise MoebenchError("decode path 'native' needs the session's MoE block to bind its experts")
+        native, head_inside = model.native_decode_layers(experts)
+        return R.NativeRunner(model, model.forward_layers, threads, requested, "asked for", native, moe_block,
+                              head_inside, ext)
+    model.decode_chains = model.chains_available
+    return R.ChainedRunner(model, model.forward_layers, threads, requested, "asked for" if requested == "chained" else
+                           "the extension's step ops run here (auto picks chained, never native)",
+                           model.chains_available, ext)
 
 
-def native_step_problem(model, runtime, experts_resident: bool = True) -> str | None:
-    """Why a decode step's layers cannot all run in one C++ call for this model and runtime, or None.
-    The experts' residency and dtype are checked again when the call is built (MoeBlock.resident_experts)."""
-    cfg = model.cfg
-    if not getattr(model, "chains_available", False):
-        return "the chained ops are off (MOEBENCH_DECODE_CHAINS=0, MOEBENCH_DECODE_ATTENTION=torch, "\
-               "MOEBENCH_DENSE_KERNEL=torch, or weights the dense kernel does not stream)"
+def _native_model_problem(model) -> str | None:
+    """What the loaded model and the extension lack for the one native call, or None."""
+    if not model.chains_available:
+        return "the chained ops are off (an override runs attention, the dense projections or the chains in torch, " \
+               "or weights the dense kernel does not stream)"
     if not hasattr(model.ops, "DecodeLayers"):
         return "the extension has no DecodeLayers (an old build)"
-    if not all(map(cfg.is_moe_layer, range(cfg.num_layers))):
-        return "the model has dense layers, which the one call does not run"
-    if runtime is None:
-        return None
-    from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
-
-    if cpu_backend() != BACKEND_CPP:
-        return "the fused C++ MoE kernel did not build"
-    if not experts_resident:
-        return f"expert budget {runtime.expert_budget} leaves experts out of memory, and the one call loads none"
     return None
 
 
-class TorchThreads:
-    """StepThreads without the extension: no pool to hand threads to; steps counted by torch's threads."""
+def _step_threads(model, pool: bool):
+    """(the extension or None, the context each decode step runs in): the extension's StepThreads
+    (kernels/csrc/dense_cpu.cpp), which on a path with the step's thread pool gives the pool torch's
+    threads and torch one for the step, and counts each step by the threads it ran on; without the
+    extension, TorchThreads."""
+    from moebench.engine.runner import TorchThreads
+    from moebench.kernels.cpu_moe import load_extension
 
-    def __init__(self):
-        self._seen: dict[str, int] = {}
-
-    def __enter__(self):
-        key = f"pool=0 torch={torch.get_num_threads()}"
-        self._seen[key] = self._seen.get(key, 0) + 1
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-    def seen(self) -> dict[str, int]:
-        return dict(self._seen)
-
-
-def step_context(model):
-    """The context `model`'s decode steps run in: its decode path's step_context, where it has one."""
-    path = getattr(model, "decode_path", None)
-    return nullcontext() if path is None else path.step_context()
+    ext = load_extension()
+    if ext is not None and hasattr(ext, "StepThreads"):
+        return ext, ext.StepThreads(pool)
+    return None, TorchThreads()

@@ -73,17 +73,22 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
     from moebench.engine.kv_cache import BlockManager, KVCache
     from moebench.engine.model import MoeTransformer
 
-    from moebench.engine import decode_path
-    from moebench.engine.store.factory import store_layout
-
     block_manager = BlockManager(num_kv_blocks, runtime.kv_block_size)
     kv = KVCache(cfg.num_layers, num_kv_blocks, runtime.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                  runtime.torch_dtype, runtime.device)
-    model = MoeTransformer(ckpt, None, lm_head=runtime.lm_head)
-    # the one place a session's decode path is decided (engine/decode_path.py)
-    resident = store_layout(ckpt, runtime)[1] >= cfg.num_experts
-    model.decode_path = decode_path.decide(runtime.decode_path, model, runtime, experts_resident=resident)
-    return block_manager, kv, model
+    return block_manager, kv, MoeTransformer(ckpt, None, lm_head=runtime.lm_head)
+
+
+def make_runner(ckpt, runtime, model, moe_block):
+    """The session's step runner, once its model has its MoE block: the one place a session's decode
+    path is decided (engine/decode_path.py); a family refuses a path it cannot run there."""
+    from moebench.engine import decode_path
+    from moebench.engine.store.factory import store_layout
+
+    resident = store_layout(ckpt, runtime)[1] >= ckpt.config.num_experts
+    runner = decode_path.decide(runtime.decode_path, model, runtime, moe_block, experts_resident=resident)
+    model.runner = runner
+    return runner
 
 
 def non_expert_bytes_per_step(ckpt, element_size: int) -> int:

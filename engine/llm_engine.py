@@ -4,7 +4,6 @@ finished requests leave. Every step is recorded; every strategy reports its acti
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -12,9 +11,9 @@ import torch
 
 from moebench.engine.config import RuntimeConfig
 from moebench.engine.store.factory import make_store_and_prefetcher
-from moebench.engine.families import cache_bytes_rates, make_cache_and_model, non_expert_bytes_per_step
+from moebench.engine.families import cache_bytes_rates, make_cache_and_model, make_runner, non_expert_bytes_per_step
 from moebench.engine.loader import Checkpoint
-from moebench.engine.model import build_forward_batch
+from moebench.engine.runner import build_forward_batch
 from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
 from moebench.engine.routing_stats import RoutingStats
 from moebench.engine.sampling import sample_token_ids
@@ -23,10 +22,6 @@ from moebench.engine.sequence import Request, Sequence
 from moebench.engine.mtp import make_mtp_drafter
 from moebench.engine.speculative import draft_context_reads, make_speculator
 from moebench.errors import MoebenchError
-from moebench.engine.decode_path import step_context
-
-
-NO_THREAD_SWITCH = nullcontext()  # a prefill or mixed step keeps torch's threads
 
 
 @dataclass
@@ -154,8 +149,8 @@ class Engine:
         blocks = max_resident(self.runtime) * -(-max_sequence_tokens // self.runtime.kv_block_size) + 1
         return EngineSession(self, blocks, on_complete, time.perf_counter())
 
-    def _step(self, index, seqs, model, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
-              step_start, sampling_counts=None, speculator=None, step_threads=None):
+    def _step(self, index, seqs, runner, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
+              step_start, sampling_counts=None, speculator=None, model=None):
         rt = self.runtime
         new_tokens = [_new_token_ids(s) for s in seqs]
         in_prefill = [s.in_prefill for s in seqs]
@@ -175,16 +170,13 @@ class Engine:
         batch = build_forward_batch(rows, cached, tables, rt.kv_block_size, rt.device, self.cfg.sliding_window,
                                     self.torch_dtype)
         start = time.perf_counter()
-        # on a decode path with the step's thread pool, a decode step's parallel work runs on it and
-        # torch's own on one thread, whichever the kernel (engine/decode_path.py)
-        with step_threads if step_threads is not None and batch.max_q == 1 else NO_THREAD_SWITCH:
-            logits = model.forward(batch, kv)
-            if verify:
-                emitted = speculator.select(seqs, logits, drafts, sampling_counts, greedy_token_ids)
-            else:
-                emitted = [[t] for t in self._select_tokens(seqs, logits, sampling_counts)]
-                if speculator and not all(in_prefill):
-                    speculator.plain_step()
+        logits = runner.run(batch, kv)
+        if verify:
+            emitted = speculator.select(seqs, logits, drafts, sampling_counts, greedy_token_ids)
+        else:
+            emitted = [[t] for t in self._select_tokens(seqs, logits, sampling_counts)]
+            if speculator and not all(in_prefill):
+                speculator.plain_step()
         if rt.device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()
@@ -361,8 +353,9 @@ class EngineSession:
         # None: speculative decoding off (an MTP head gets a cache of num_kv_blocks beside the model's)
         self.speculator = make_speculator(
             rt, cfg, lambda: make_mtp_drafter(engine.ckpt, self.model, num_kv_blocks, rt.kv_block_size))
-        # what each decode step's forward runs in: its threads, set and counted (engine/decode_path.py)
-        self.step_threads = step_context(self.model)
+        # how each step's forward runs, decided once (engine/decode_path.py) after the MTP head asked
+        # the model for its hidden states: the runner binds the ops it runs (engine/runner.py)
+        self.runner = make_runner(engine.ckpt, rt, self.model, self.model.moe_block)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -385,9 +378,9 @@ class EngineSession:
         if not batch_seqs:
             raise MoebenchError("scheduler made no progress (a request cannot fit in the KV cache)")
         self.last_batch = batch_seqs
-        record = self.engine._step(self.num_steps, batch_seqs, self.model, self.kv, self.block_manager, self.stats,
+        record = self.engine._step(self.num_steps, batch_seqs, self.runner, self.kv, self.block_manager, self.stats,
                                    self.store, self.scheduler, self.completions, self.on_complete, self.arrival,
-                                   step_start, self.sampling_counts, self.speculator, self.step_threads)
+                                   step_start, self.sampling_counts, self.speculator, self.model)
         self.num_steps += 1
         return record
 
@@ -419,7 +412,7 @@ class EngineSession:
         try:
             batch = build_forward_batch([list(ids)], [0], [table], rt.kv_block_size, rt.device,
                                         self.engine.cfg.sliding_window, rt.torch_dtype)
-            logits = self.model.forward(batch, self.kv, all_positions=True)[:-1]
+            logits = self.runner.run(batch, self.kv, all_positions=True)[:-1]
             self.stats.take_step()
         finally:
             self.block_manager.free(table)
@@ -436,10 +429,11 @@ class EngineSession:
             "prefetch": {**self.store.evidence(), **self.prefetcher.evidence()},
             # decode attention calls by the implementation that ran them (engine/model.py)
             "attention": dict(getattr(self.model, "attention_backends", {})),
-            # decode steps by how their layers ran: in one native call, or one by one (engine/model.py)
-            "decode_steps": dict(getattr(self.model, "decode_steps", {})),
+            # decode steps by how their layers ran, batch by batch: in one native call, layer by layer,
+            # or the ops one by one where a batch had more rows than the step ops take (engine/runner.py)
+            "decode_steps": dict(self.runner.decode_steps),
             # the path decode steps ran, decided once for the session, and their threads (engine/decode_path.py)
-            "decode_path": self.model.decode_path.evidence() if hasattr(self.model, "decode_path") else None,
+            "decode_path": self.runner.evidence(),
             "sampling": {"sampled_positions": self.sampling_counts["sampled_positions"],
                          "greedy_positions": self.sampling_counts["greedy_positions"],
                          "settings": [list(s) for s in sorted(self.sampling_counts["settings"], key=repr)]},
@@ -461,6 +455,7 @@ class EngineSession:
         errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype)
         if self.sampling_requests and not self.sampling_counts["sampled_positions"]:
             errors.append(f"sampling: {self.sampling_requests} requests asked for it and the engine drew no token")
+        errors += self.runner.activation_errors()
         if self.speculator:
             errors += self.speculator.activation_errors()
         if rt.lm_head != "f32":

@@ -6,119 +6,18 @@ configured MoE kernel. Plain tensors, no autograd: the model is only ever run fo
 from __future__ import annotations
 
 import os
-from array import array
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 import torch.nn.functional as F
 
 from moebench.engine import decode_path
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
+from moebench.engine.runner import ForwardBatch, build_forward_batch  # noqa: F401 (imported from here)
 from moebench.kernels import cpu_dense, route
 from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.cpu_dense import linear
 from moebench.errors import MoebenchError
-
-
-@dataclass
-class ForwardBatch:
-    """Flattened new tokens of every sequence in a step, plus the block view attention reads."""
-
-    input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
-    slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
-    batch_size: int
-    max_q: int
-    context_blocks: torch.Tensor  # [B, max_blocks] KV blocks of each sequence's context, in order
-    context_lens: torch.Tensor  # [B] context length of each sequence, this step's tokens included
-    num_cached: list[int]  # tokens of each sequence already in the cache before this step
-    q_lens: list[int]  # new tokens of each sequence
-    max_position: int  # the largest position in `positions`
-    block_size: int
-    sliding_window: int | None
-    dtype: torch.dtype
-
-    @cached_property
-    def padded_index(self) -> torch.Tensor:
-        """[N] position of each token in the [B * max_q] padded layout (prefill attention only)."""
-        padded = []
-        for b, q in enumerate(self.q_lens):
-            padded.extend(range(b * self.max_q, b * self.max_q + q))
-        return torch.tensor(padded, device=self.input_ids.device)
-
-    @cached_property
-    def last_token_index(self) -> torch.Tensor:
-        """[B] index into N of each sequence's last new token."""
-        return (torch.tensor(self.q_lens).cumsum(0) - 1).to(self.input_ids.device)
-
-    @cached_property
-    def attn_bias(self) -> torch.Tensor:
-        """[B, 1, max_q, max_blocks * block_size]: 0 where attention is allowed, else -inf. Built on
-        first use only: decode steps that run the paged decode kernel never need it."""
-        q_pos = torch.tensor(self.num_cached)[:, None] + torch.arange(self.max_q)  # [B, max_q]
-        k_pos = torch.arange(self.context_blocks.shape[1] * self.block_size)
-        allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < self.context_lens.cpu()[:, None, None])
-        if self.sliding_window:
-            allowed &= k_pos > q_pos[:, :, None] - self.sliding_window
-        # An additive float mask: SDPA's CPU kernel runs faster with it than with a boolean one.
-        bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
-        return bias[:, None].to(self.context_blocks.device)
-
-
-def build_forward_batch(
-    new_tokens: list[list[int]], num_cached: list[int], block_tables: list[list[int]],
-    block_size: int, device: str, sliding_window: int | None = None, dtype: torch.dtype = torch.float32,
-) -> ForwardBatch:
-    """Index tensors of one step. Built from flat Python lists and one tensor for all of them
-    (the fields are views of it), so the cost per sequence is list work, not tensor calls."""
-    q_lens = [len(t) for t in new_tokens]
-    B, max_q = len(new_tokens), max(q_lens)
-    num_cached = list(num_cached)
-    if max_q == 1:  # decode: one token per sequence, at position num_cached
-        input_ids = [t[0] for t in new_tokens]
-        positions = num_cached
-        ctx_lens = [c + 1 for c in num_cached]
-        slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, num_cached)]
-    else:
-        input_ids, positions, slots = [], [], []
-        ctx_lens = [c + q for c, q in zip(num_cached, q_lens)]
-        for tokens, cached, table, ctx in zip(new_tokens, num_cached, block_tables, ctx_lens):
-            input_ids.extend(tokens)
-            positions.extend(range(cached, ctx))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(cached, ctx))
-    max_ctx = max(ctx_lens)
-    max_blocks = -(-max_ctx // block_size)
-    blocks = []
-    for table, ctx in zip(block_tables, ctx_lens):
-        used = table[: -(-ctx // block_size)]
-        # Padding repeats a block of the sequence's own: any valid id does, the bias masks it out.
-        blocks.extend(used)
-        blocks.extend(used[:1] * (max_blocks - len(used)))
-    N = len(input_ids)
-    # one int64 buffer (array -> tensor is a copy of machine ints, unlike torch.tensor's per-item
-    # parsing of a list), split into views
-    flat = torch.frombuffer(array("q", input_ids + positions + slots + ctx_lens + blocks), dtype=torch.int64)
-    if device != "cpu":  # (a call less per step on the CPU, where a small torch call costs ~10 us or more)
-        flat = flat.to(device)
-    input_ids_t, positions_t, slots_t, ctx_t, blocks_t = flat.split_with_sizes([N, N, N, B, B * max_blocks])
-    return ForwardBatch(
-        input_ids=input_ids_t,
-        positions=positions_t,
-        slot_mapping=slots_t,
-        batch_size=B,
-        max_q=max_q,
-        context_blocks=blocks_t.view(B, max_blocks),
-        context_lens=ctx_t,
-        num_cached=num_cached,
-        q_lens=q_lens,
-        max_position=max_ctx - 1,
-        block_size=block_size,
-        sliding_window=sliding_window,
-        dtype=dtype,
-    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,9 +92,6 @@ class MoeTransformer:
         # (the weights a chain streams are checked here, once: they do not change)
         chained_weights = [w for layer in ckpt.layers for w in (layer.qkv_proj, layer.o_proj, layer.router)
                            if w is not None]
-        # decode steps by how their layers ran: all in one native call, or one by one (activation evidence)
-        self.decode_steps: dict[str, int] = {}
-        self._native_layers = None  # DecodeLayers, False where it does not apply, None until the first decode step
         # the LM head in the precision asked for (--lm-head: f32 is the checkpoint's own; bf16, or int8 /
         # fp8 with a scale per row, an approximate optimization) and what the kernel streamed of it so
         # far in this process, the start of this model's activation evidence (lm_head_evidence)
@@ -215,9 +111,11 @@ class MoeTransformer:
         self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode")
                                  and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
                                  and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
-        # the decode path (native step, chained ops, eager), decided once per session by
-        # engine/decode_path.py; a session sets its runtime's (engine/families.py), this is auto's
-        self.decode_path = decode_path.decide(None, self)
+        # whether a decode step's attention sub-layers and routers run as one native call each: set by
+        # the session's step runner when it is built (engine/decode_path.py), as is the runner itself;
+        # a model alone runs auto's (tests drive one)
+        self.decode_chains = False
+        self.runner = decode_path.decide(None, self)
 
     def keep_hidden_states(self) -> None:
         """Have every forward keep all its rows' final-normed hidden states (what the LM head reads)
@@ -225,11 +123,6 @@ class MoeTransformer:
         the LM head runs after it (the same kernel, one call more); without this nothing changes."""
         self.keep_hidden = True
         self._native_lm_head = False
-
-    @property
-    def decode_chains(self) -> bool:
-        """Whether a decode step's attention sub-layer and router run as one native call each."""
-        return self.chains_available and self.decode_path.chains
 
     def attention(self, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
@@ -284,11 +177,11 @@ class MoeTransformer:
         return linear(out, w.o_proj)
 
     def attention_sublayer(self, h, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables,
-                           post_norm: torch.Tensor) -> torch.Tensor:
+                           post_norm: torch.Tensor, chained: bool) -> torch.Tensor:
         """h += attention(x) in place; returns RMSNorm(h) with `post_norm` (the extension's ops). A
-        decode step runs it as one native call, the same kernels in the same order as below."""
+        `chained` decode step runs it as one native call, the same kernels in the same order as below."""
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
-        if self.decode_chains and batch.max_q == 1 and kv.k[layer_idx].dtype == torch.float32 and cpu_dense.rows_stream(x):
+        if chained:
             self._count_attention("cpp-block")
             return self.ops.decode_attention_sublayer(
                 h, x, w.qkv_proj, w.qkv_bias, w.q_norm if cfg.qk_norm else None, w.k_norm if cfg.qk_norm else None,
@@ -301,39 +194,23 @@ class MoeTransformer:
     def _count_attention(self, backend: str, calls: int = 1) -> None:
         self.attention_backends[backend] = self.attention_backends.get(backend, 0) + calls
 
-    def native_decode_layers(self):
-        """The extension's DecodeLayers over this model's weights (a decode step's layers in one
-        call), where it computes what the layer loop of `forward` computes: decode chains on, every
-        layer an MoE layer, and an MoE block with nothing to do between layers
-        (MoeBlock.resident_experts). Built on the first decode step (the MoE block is set after the
-        model), on the `native` decode path only (engine/decode_path.py); None on the others."""
-        if self._native_layers is None:
-            if not self.decode_path.whole_step:
-                self._native_layers = False
-            else:
-                self._native_layers = self._build_native_layers() or False
-                if not self._native_layers:  # decode_path.decide checked the runtime: never quietly chained
-                    raise MoebenchError("decode path 'native' cannot run: the experts are not all resident "
-                                        "float32, bfloat16 or int8 rows of one dtype for the fused C++ kernel")
-        return self._native_layers or None
-
-    def _build_native_layers(self):
+    def native_decode_layers(self, experts: dict):
+        """The extension's DecodeLayers over this model's weights and `experts` (layer -> (w13, w2), the
+        resident store's: MoeBlock.resident_experts), a decode step's layers in one call, and whether
+        the LM head runs inside it (its logits are then what the call returns). Built once, by the
+        `native` step runner (engine/decode_path.py checked that it applies)."""
         cfg, layers = self.cfg, self.ckpt.layers
-        if not (self.decode_chains and hasattr(self.ops, "DecodeLayers")
-                and all(map(cfg.is_moe_layer, range(cfg.num_layers)))):
-            return None
-        experts = self.moe_block.resident_experts()
-        if experts is None or not self.ckpt.embed.is_contiguous():
-            return None
         optional = (lambda w: w) if cfg.qk_norm else (lambda w: None)
-        return self.ops.DecodeLayers(
+        head = self._native_lm_head
+        native = self.ops.DecodeLayers(
             [w.qkv_proj for w in layers], [w.qkv_bias for w in layers], [optional(w.q_norm) for w in layers],
             [optional(w.k_norm) for w in layers], [w.o_proj for w in layers],
             [w.post_attention_norm for w in layers], [w.router for w in layers], [experts[i][0] for i in range(len(layers))],
             [experts[i][1] for i in range(len(layers))], [w.input_norm for w in layers[1:]] + [self.ckpt.final_norm],
             cfg.rms_norm_eps, self.scale, cfg.sliding_window or 0, cfg.num_heads, cfg.top_k, cfg.norm_topk_prob,
-            self.ckpt.embed, layers[0].input_norm, self.head_weight if self._native_lm_head else None,
-            self.head_scale if self._native_lm_head else None)
+            self.ckpt.embed.contiguous(), layers[0].input_norm, self.head_weight if head else None,
+            self.head_scale if head else None)
+        return native, bool(head)
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
@@ -347,45 +224,50 @@ class MoeTransformer:
         weights, ids = route(linear(x, router), cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, all_positions: bool = False) -> torch.Tensor:
-        """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions).
-        The MoE block adds its output to the residual stream itself (its prefetcher reads the stream)."""
+        """Logits of each sequence's last new token, [B, vocab] float32 (every new token with all_positions),
+        as the session's step runner runs them (engine/runner.py)."""
+        return self.runner.run(batch, kv, all_positions)
+
+    def forward_torch(self, batch: ForwardBatch, kv: KVCache, all_positions: bool, chained: bool = False) -> torch.Tensor:
+        """The layer loop in torch ops (no extension, or not float32 on the CPU). The MoE block adds
+        its output to the residual stream itself (its prefetcher reads the stream)."""
         cfg = self.cfg
-        native = self.native_decode_step(batch, kv)
-        if native is not None:  # every layer in one call (the layer loop below, without the interpreter)
-            return self.forward_natively(native, batch, kv)
         h = self.ckpt.embed[batch.input_ids]
         self.moe_block.start(h)
         # every sequence has one new token in a decode step: it is already its last one
         select = not all_positions and batch.max_q > 1
-        if self.ops is None or h.dtype != torch.float32 or h.device.type != "cpu":
-            rope_tables = self.rope.tables(batch.positions, h.dtype, batch.max_position)
-            for i, w in enumerate(self.ckpt.layers):
-                h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv, rope_tables)
-                x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
-                h = self.moe_block(i, x, h) if cfg.is_moe_layer(i) else h + self.dense_mlp(x, i)
-            if self.keep_hidden:  # rows are normalized alone: norming all of them first changes none
-                h = self.last_hidden = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
-                return self.logits(h[batch.last_token_index] if select else h)
-            if select:
-                h = h[batch.last_token_index]
-            h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
-            return self.logits(h)
+        rope_tables = self.rope.tables(batch.positions, h.dtype, batch.max_position)
+        for i, w in enumerate(self.ckpt.layers):
+            h = h + self.attention(rms_norm(h, w.input_norm, cfg.rms_norm_eps), i, batch, kv, rope_tables)
+            x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
+            h = self.moe_block(i, x, h) if cfg.is_moe_layer(i) else h + self.dense_mlp(x, i)
+        if self.keep_hidden:  # rows are normalized alone: norming all of them first changes none
+            h = self.last_hidden = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
+            return self.logits(h[batch.last_token_index] if select else h)
+        if select:
+            h = h[batch.last_token_index]
+        h = rms_norm(h, self.ckpt.final_norm, cfg.rms_norm_eps)
+        return self.logits(h)
 
-        # The same with residual add + RMSNorm in one call, which adds into h in place (h is this
-        # forward's own tensor, and whoever read it before, the prefetcher, is done with it). The
-        # final norm runs on every row before the last tokens are picked: rows are normalized alone.
+    def forward_layers(self, batch: ForwardBatch, kv: KVCache, all_positions: bool, chained: bool) -> torch.Tensor:
+        """`forward_torch` with the extension's exact small ops: residual add + RMSNorm in one call,
+        which adds into h in place (h is this forward's own tensor, and whoever read it before, the
+        prefetcher, is done with it), and a decode step's attention in one call; `chained` (a decode
+        step the runner chains) runs each attention sub-layer as one call too. The final norm runs on
+        every row before the last tokens are picked: rows are normalized alone."""
+        cfg = self.cfg
+        h = self.ckpt.embed[batch.input_ids]
+        self.moe_block.start(h)
+        select = not all_positions and batch.max_q > 1
         add_norm, eps, layers = self.ops.add_rms_norm, cfg.rms_norm_eps, self.ckpt.layers
         self.rope.ensure(batch.max_position)
         # decode attention reads the whole cos/sin tables in C++; other steps look their rows up once
         decode_block = batch.max_q == 1 and self.fast_decode_attention
         rope_tables = None if decode_block else self.rope.tables(batch.positions, h.dtype, batch.max_position)
         x = add_norm(h, None, layers[0].input_norm, eps)
-        if decode_block:
-            self.decode_steps["layer-by-layer"] = self.decode_steps.get("layer-by-layer", 0) + 1
         for i, w in enumerate(layers):
-            x = self.attention_sublayer(h, x, i, batch, kv, rope_tables, w.post_attention_norm)
+            x = self.attention_sublayer(h, x, i, batch, kv, rope_tables, w.post_attention_norm, chained)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.ckpt.final_norm
             if cfg.is_moe_layer(i):
                 h = self.moe_block(i, x, h)
@@ -396,35 +278,6 @@ class MoeTransformer:
             self.last_hidden = x
         if select:
             x = x[batch.last_token_index]
-        return self.logits(x)
-
-    def native_decode_step(self, batch: ForwardBatch, kv: KVCache):
-        """DecodeLayers where this step's layers run in one native call: a decode step of few float32
-        rows on the CPU (the rows the dense kernel streams), the C++ decode attention on a float32
-        cache, and a model and MoE block it applies to (native_decode_layers). Else None."""
-        if not (self.ops is not None and batch.max_q == 1 and self.fast_decode_attention
-                and batch.batch_size <= cpu_dense.DENSE_MAX_ROWS and kv.k[0].dtype == torch.float32):
-            return None
-        return self.native_decode_layers()
-
-    def forward_natively(self, native, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """`forward` of a decode step in one call, from the token ids to the logits: the embeddings,
-        every layer, the final norm and, where the kernel streams it, the LM head. The MoE block is
-        told afterwards what its layers chose (MoeBlock.ran_natively); its prefetcher has no hooks to
-        run (MoeBlock.resident_experts), so neither has the embeddings' `start`."""
-        self.rope.ensure(batch.max_position)
-        x, topk_ids, distinct = native.run(batch.input_ids, self.rope.cos, self.rope.sin, batch.positions,
-                                           batch.slot_mapping, batch.context_blocks, batch.context_lens,
-                                           kv.block_size, kv.k, kv.v)
-        layers = len(topk_ids)
-        self.moe_block.ran_natively(topk_ids, distinct)
-        self._count_attention("cpp-block", layers)
-        self.decode_steps["native-layers"] = self.decode_steps.get("native-layers", 0) + 1
-        # every sequence's one new token: with the LM head, x is the logits already
-        if self._native_lm_head:
-            return x
-        if self.keep_hidden:
-            self.last_hidden = x
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

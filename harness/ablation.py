@@ -7,7 +7,11 @@ switches) and `all+speculative=ngram` (every ablated switch on), and held to the
 claim like the switches. The LM head's precision (`lm-head`, another axis) is approximate: its
 configs are named `lm-head=int8` (or `kernel+lm-head=int8` stacked on switches), marked approximate,
 and held to no identical-output claim, only to the accuracy verdicts. So is the other weights'
-precision (`weights`, --weights int8, docs/int8.md): `weights=int8`, `kernel+weights=int8`."""
+precision (`weights`, --weights int8, docs/int8.md): `weights=int8`, `kernel+weights=int8`.
+The decode path (`decode-path`) is exact as well: its point `decode-path=native` is the fused kernel
+with every layer of a decode step in one native call, compared with `kernel` (the fused kernel on the
+run's chained path) as its reference, so it gets a speedup of its own beside the one against the
+baseline."""
 
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ SWITCHES = ("kernel", "scheduler", "prefetch")
 SPECULATIVE_AXIS = "speculative"
 LM_HEAD_AXIS = "lm-head"
 WEIGHTS_AXIS = "weights"
-AXES = SWITCHES + (SPECULATIVE_AXIS, LM_HEAD_AXIS, WEIGHTS_AXIS)
+DECODE_PATH_AXIS = "decode-path"
+AXES = SWITCHES + (SPECULATIVE_AXIS, LM_HEAD_AXIS, WEIGHTS_AXIS, DECODE_PATH_AXIS)
 FULL_HEAD = "f32"
 FULL_WEIGHTS = "f32"  # the checkpoint's own precision
 LOW_PRECISION_WEIGHTS = ("int8",)  # what the weights axis ablates
@@ -41,6 +46,8 @@ class ConfigPoint:
     speculative: str | None = None  # a point of the speculative axis: its method (None: the run's setting)
     lm_head: str = FULL_HEAD  # the LM head's weight precision: f32 (as loaded), bf16, int8, fp8
     weights: str = FULL_WEIGHTS  # the other streamed weights' precision: f32 (as loaded), int8
+    decode_path: str | None = None  # a point of the decode-path axis: its path (None: the run's)
+    reference: str | None = None  # the config its own speedup is measured against (besides the baseline)
 
     @property
     def approximate(self) -> bool:
@@ -60,6 +67,10 @@ class ConfigPoint:
             d.update(expert_budget=self.expert_budget)
         if self.speculative is not None:
             d.update(speculative=self.speculative)
+        if self.decode_path is not None:
+            d.update(decode_path=self.decode_path)
+        if self.reference is not None:
+            d.update(reference=self.reference)
         return d
 
 
@@ -120,16 +131,26 @@ def speculative_points(available: tuple[str, ...], method: str) -> list[ConfigPo
     return points
 
 
+def decode_path_points(points: list[ConfigPoint]) -> list[ConfigPoint]:
+    """The decode-path axis: the fused kernel with a decode step's layers in one native call
+    (`decode-path=native`), measured against `kernel`, the fused kernel on the run's path; `kernel`
+    joins the run where the switches did not bring it."""
+    fused = point(ON["kernel"], OFF["scheduler"], OFF["prefetch"])
+    added = [] if any(p.name == fused.name for p in points) else [fused]
+    native = replace(fused, name=f"{DECODE_PATH_AXIS}=native", decode_path="native", reference=fused.name)
+    return added + [native]
+
+
 def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False,
                     speculative: str | None = None, lm_heads: tuple[str, ...] = (),
-                    weights: tuple[str, ...] = ()) -> list[ConfigPoint]:
+                    weights: tuple[str, ...] = (), decode_paths: bool = False) -> list[ConfigPoint]:
     """Baseline, each available optimization alone, all of them stacked; or every combination.
 
     Stacked prefixes (kernel, kernel+scheduler) are added too, so the report can draw the waterfall.
     `speculative` (a method) adds the speculative axis's points (speculative_points). Each precision
     of `lm_heads` then adds the baseline with that LM head and, where switches are ablated too, every
     available switch on with that LM head (what a user would deploy); each precision of `weights`
-    likewise.
+    likewise. `decode_paths` adds the decode-path axis's points (decode_path_points).
     """
     def build(on: set[str]) -> ConfigPoint:
         return point(**{s: (ON[s] if s in on else OFF[s]) for s in SWITCHES})
@@ -147,6 +168,8 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
             points.append(p)
     if speculative is not None:
         points += speculative_points(available, speculative)
+    if decode_paths:
+        points += decode_path_points(points)
     for head in lm_heads:
         points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], lm_head=head))
         if available:
@@ -164,6 +187,8 @@ def runtime_for(base, cfg: ConfigPoint):
                  lm_head=getattr(cfg, "lm_head", FULL_HEAD), weights=getattr(cfg, "weights", FULL_WEIGHTS))
     if getattr(cfg, "speculative", None) is not None:  # a point of the speculative axis
         rt = replace(rt, speculative=cfg.speculative)
+    if getattr(cfg, "decode_path", None) is not None:  # a point of the decode-path axis
+        rt = replace(rt, decode_path=cfg.decode_path)
     if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget
         rt = replace(rt, expert_budget=parse_budget(cfg.expert_budget))
     return rt

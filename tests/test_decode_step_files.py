@@ -18,7 +18,7 @@ from moebench.engine.sequence import Sequence
 
 # the files a native decode step runs Python code in (docs/architecture.md, "One decode step")
 STEP_FILES = {"engine/llm_engine.py", "engine/scheduler.py", "engine/sequence.py", "engine/kv_cache.py",
-              "engine/model.py", "engine/moe.py", "engine/routing_stats.py", "engine/store/resident.py"}
+              "engine/runner.py", "engine/moe.py", "engine/routing_stats.py", "engine/store/resident.py"}
 
 
 def one_decode_step_calls(monkeypatch):

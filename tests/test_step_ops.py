@@ -169,8 +169,6 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
     if not use_ops:  # the router's top-k as where the extension is not built: the torch reference
         monkeypatch.setattr(cpu_routing, "load_extension", lambda: None)
     assert (model.ops is not None) == use_ops
-    if use_ops and chains and all(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers))):
-        model.decode_path = decide_decode_path("native", model)  # a decode step's layers in one call
     assert model.decode_chains == (use_ops and chains)
     if calls is not None:
         model.ops = _CallCounter(model.ops)
@@ -179,6 +177,9 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
     stats = RoutingStats(cfg.num_layers, cfg.num_experts)
     kernel, store = make_kernel("fused"), ResidentStore(ckpt)
     model.moe_block = MoeBlock(model.route, kernel, store, NoPrefetch(), stats)
+    if use_ops and chains and all(map(ckpt.config.is_moe_layer, range(ckpt.config.num_layers))):
+        # a decode step's layers in one call
+        model.runner = decide_decode_path("native", model, moe_block=model.moe_block)
     block = 4
     kv = KVCache(cfg.num_layers, 40, block, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     g = torch.Generator().manual_seed(1)
@@ -209,7 +210,7 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
         # what the steps recorded besides their logits, which must not depend on how they ran
         calls["recorded"] = (routing, stats.load.tolist(), {k: v for k, v in stats.last_topk.items()},
                              kernel.evidence(), store.evidence()["expert_hits"], model.attention_backends)
-        calls["decode_steps"] = model.decode_steps
+        calls["decode_steps"] = model.runner.decode_steps
     monkeypatch.undo()
     return out
 
@@ -262,19 +263,19 @@ def test_decode_layers_checks_the_weights_when_built(tmp_path, ops, monkeypatch)
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, "qwen3_e6_k2_norm"))
     monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1")
     model = MoeTransformer(ckpt, None)
-    model.decode_path = decide_decode_path("native", model)
     cfg = ckpt.config
     model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(),
                                RoutingStats(cfg.num_layers, cfg.num_experts))
-    assert model._build_native_layers() is not None
+    assert decide_decode_path("native", model, moe_block=model.moe_block).name == "native"
+    experts = model.moe_block.resident_experts()
     router = ckpt.layers[1].router
     ckpt.layers[1].router = router[:, :-1]
     with pytest.raises(RuntimeError, match="DecodeLayers: router must be"):
-        model._build_native_layers()
+        model.native_decode_layers(experts)
     ckpt.layers[1].router = router
     ckpt.layers[1].qkv_proj = ckpt.layers[1].qkv_proj[:-1]  # the step's workspace is sized from layer 0
     with pytest.raises(RuntimeError, match="the first layer's shapes"):
-        model._build_native_layers()
+        model.native_decode_layers(experts)
 
 
 def _same(a, b) -> bool:

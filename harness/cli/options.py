@@ -29,8 +29,8 @@ DECODE_PATH = typer.Option(
     "auto", "--decode-path",
     help="How decode steps run, for every config alike: chained (the C++ step ops layer by layer, on the "
          "step's thread pool), native (every layer in one C++ call; needs kernel=fused, every expert resident, "
-         "prefetch off), eager (each op from Python, torch's threads), auto (chained where the C++ ops run, "
-         "else eager).")
+         "prefetch off and every layer an MoE layer; with --ablate, add decode-path to --axes), eager (each op "
+         "from Python, torch's threads), auto (chained where the C++ ops run, else eager).")
 DEVICE = typer.Option("cpu", "--device", help="cpu (float32) or cuda (bfloat16).")
 THREADS = typer.Option(
     None, "--threads",

@@ -24,7 +24,7 @@ def run_command(
     prefetch: str = PREFETCH,
     ablate: bool = typer.Option(False, "--ablate", help="Run baseline, each optimization alone, and all stacked, interleaved."),
     factorial: bool = typer.Option(False, "--factorial", help="With --ablate: every combination of the switches (2^3)."),
-    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head, weights (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim; so is weights (weights=int8)."),
+    axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head, weights, decode-path (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim; so is weights (weights=int8). decode-path adds decode-path=native (the fused kernel, every layer of a decode step in one C++ call; every expert resident) with its own speedup against kernel (the fused kernel on the chained path)."),
     lm_head: Optional[str] = LM_HEAD,
     weights: str = WEIGHTS,
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),

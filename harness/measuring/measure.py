@@ -307,6 +307,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     if not out.is_terminal:  # CI logs and pipes: the whole table, not one cut at 80 columns
         out.width = max(out.width, out.measure(table, options=out.options.update_width(10_000)).maximum)
     out.print(table)
+    for c in summary["configs"]:
+        if c.get("vs_reference"):
+            console.print(f"{c['name']} against {c['vs_reference']['config']}: decode speedup "
+                          f"{ratio(c['vs_reference']['speedup'])}")
     iv = summary.get("intervals") or {}
     if iv.get("trials"):
         console.print(f"95% intervals: {iv['method']}, {iv['trials']} trials, config order {iv.get('order')}")

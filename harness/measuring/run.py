@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 
-from moebench.ablation import (FULL_WEIGHTS, LM_HEAD_AXIS, LOW_PRECISION_HEADS, LOW_PRECISION_WEIGHTS, OFF, SPECULATIVE_AXIS, SWITCHES,
+from moebench.ablation import (DECODE_PATH_AXIS, FULL_WEIGHTS, LM_HEAD_AXIS, LOW_PRECISION_HEADS, LOW_PRECISION_WEIGHTS, OFF, SPECULATIVE_AXIS, SWITCHES,
                                WEIGHTS_AXIS, ConfigPoint,
                                ablation_matrix, negative_control, parse_axes, point, resident_reference)
 from moebench.ablation import parse_budget as _parse_budget  # (lm-eval and serve import it from here)
@@ -34,10 +34,12 @@ IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHE
 
 def _budget_text(args: dict) -> str:
     """The run's expert budget: as given, else 0.5 for the bundled default's ablation (offloading is
-    part of what it measures), else 1.0."""
+    part of what it measures) unless it ablates the decode path (whose native point needs every
+    expert resident), else 1.0."""
     budget = args["expert_budget"]
     if budget is None:
-        budget = "0.5" if (args["ablate"] and args["model"] is None) else "1.0"
+        offloaded = args["ablate"] and args["model"] is None and DECODE_PATH_AXIS not in parse_axes(args.get("axes"))[1]
+        budget = "0.5" if offloaded else "1.0"
     return budget
 
 
@@ -96,14 +98,13 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
             device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
             admission=args["admission"], expert_budget=_parse_budget(budget),
             offload_tier=resolve_tier(args["offload_tier"], args["device"]),
-            decode_path=args.get("decode_path", "auto"),  # (a manifest from before the option: auto)
+            decode_path=_run_decode_path(args),
             # with --ablate the speculative axis's points set it themselves (ablation.runtime_for)
             speculative="off" if args["ablate"] else args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
             spec_max_batch=args.get("spec_max_batch"),
         )
         base_runtime = _one_tier_for_every_config(base_runtime, configs)
-        for cfg in configs:
-            _runtime_for(base_runtime, cfg)
+        _check_decode_paths(args, base_runtime, configs)
 
     # The run's folder is claimed before any work, so an unwritable --out or a taken --run-id is
     # one line now, not a traceback after the model loaded, and two runs never share a folder.
@@ -142,6 +143,30 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
     finally:
         os.close(lock)
     _print_next_steps(run_dir)
+
+
+def _run_decode_path(args: dict) -> str:
+    """The decode path of every config that does not set its own: --decode-path, except in a run
+    that ablates it, whose native point sets native itself (the others run auto)."""
+    path = args.get("decode_path") or "auto"  # (a manifest from before the option: auto)
+    return "auto" if path == "native" and args["ablate"] else path
+
+
+def _check_decode_paths(args: dict, base_runtime, configs) -> None:
+    """Each config's runtime, and its decode path against the model's config.json, before anything
+    loads: a path the model or the config cannot run is one line (engine/decode_path.py says why)."""
+    from moebench.engine.decode_path import path_refusal
+    from moebench.engine.families import parse_model_config
+
+    runtimes = [(cfg, _runtime_for(base_runtime, cfg)) for cfg in configs]
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    if not (model_path / "config.json").is_file():
+        return  # the loader, later, says what is wrong with the path
+    model_cfg = parse_model_config(model_path / "config.json")
+    for cfg, runtime in runtimes:
+        refusal = path_refusal(runtime.decode_path, model_cfg, runtime)
+        if refusal:
+            raise MoebenchError(refusal if len(configs) == 1 else f"config '{cfg.name}': {refusal}")
 
 
 def _one_tier_for_every_config(base_runtime, configs):
@@ -385,9 +410,16 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if weights != "f32" and WEIGHTS_AXIS not in others:
             raise MoebenchError(f"--weights {weights} with --ablate: add weights to --axes (the run then ablates {weights})")
         precisions = ((weights,) if weights != "f32" else LOW_PRECISION_WEIGHTS) if WEIGHTS_AXIS in others else ()
+        path, path_axis = args.get("decode_path") or "auto", DECODE_PATH_AXIS in others
+        if path == "native" and not path_axis:
+            raise MoebenchError("--decode-path native with --ablate: add decode-path to --axes (the run then compares "
+                                "native with the chained path on the fused kernel)")
+        if path_axis and path not in ("auto", "chained", "native"):
+            raise MoebenchError(f"--axes decode-path compares native with the chained path: --decode-path {path} "
+                                "cannot be its reference")
         return ablation_matrix(switches, factorial=args["factorial"],
                                speculative=(method if method != "off" else "ngram") if spec_axis else None,
-                               lm_heads=heads, weights=precisions)
+                               lm_heads=heads, weights=precisions, decode_paths=path_axis)
     if args.get("axes"):
         raise MoebenchError("--axes needs --ablate")
     return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head, weights=weights)]
