@@ -11,7 +11,7 @@ from moebench.cli.report import report_command
 from moebench.results.report import write_report
 
 EVIL = '<script>alert("x")</script> ``` <img src=x onerror=alert(1)> #### 1001'
-PLOTS = {"decode_tps.png", "waterfall.png", "accuracy.png", "latency_cdf.png", "output_length.png",
+PLOTS = {"accuracy_forest.png", "speedup_forest.png", "decode_tps.png", "waterfall.png", "accuracy.png", "latency_cdf.png", "output_length.png",
          "expert_load.png", "distinct_experts.png", "expert_store.png", "roofline.png"}
 
 
@@ -66,7 +66,8 @@ def test_markdown_content(report_dir):
     # "all" changed one answer of 40 (an exact config, so no shortcut): too few items to judge
     assert "inconclusive: difference" in md and "reaches below the -1-point margin" in md
     assert "points or more would have been called a regression in >= 80% of runs" in md
-    assert "| config | items x trials | baseline only / config only | Δ points [95% CI] |" in md
+    assert "| config | items x trials | answers lost / won | Δ points [95% CI] |" in md
+    assert "trials exchangeable?" in md and "it decides nothing" in md
     assert "| kernel | 40 x 3 | 0 / 0 | +0.00 [-8.76, +8.76] |" in md  # identical outputs: interval still stated
     assert "all, item synth/1: first difference at character" in md
     assert "````" in md  # the fence outgrows the ``` inside the model output

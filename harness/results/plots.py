@@ -11,34 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
-DPI = 110
+from moebench.results.canvas import figure as _figure
+from moebench.results.canvas import save as _save
+
 # Stacking order of the waterfall: (label, config) pairs, each adding one optimization.
 STACK = (("baseline", None), ("+kernel", "kernel"), ("+scheduler", "kernel+scheduler"),
          ("+prefetch", "all"))
-
-
-def _figure(width: float = 7.0, height: float = 4.0, ncols: int = 1):
-    fig = Figure(figsize=(width, height), dpi=DPI)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, ncols)
-    return fig, axes
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    """Drawn in memory, then written atomically: a full disk leaves the old plot or none, never a
-    0-byte PNG that the report would link to."""
-    import io
-
-    from moebench.fileio import atomic_write_bytes
-
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    atomic_write_bytes(Path(path), buf.getvalue())
-    return path
 
 
 def _names(summary: dict) -> list[str]:
@@ -98,27 +77,35 @@ def stacking_chain(summary: dict) -> list[tuple[str, dict]]:
 
 
 def waterfall(summary: dict, path: Path) -> Path | None:
-    chain = [(label, c["decode_tokens_per_s"]["median"]) for label, c in stacking_chain(summary)]
-    chain = [(label, v) for label, v in chain if v is not None]
-    if len(chain) < 2:
+    """Each stacked config's bar is the baseline's median tok/s times that config's paired speedup
+    (the estimator the tables, verdict and gate use), labelled with it and its interval."""
+    steps = stacking_chain(summary)
+    base = steps[0][1]["decode_tokens_per_s"]["median"]
+    chain = [(steps[0][0], base, None)]
+    for label, c in steps[1:]:
+        sp = (c.get("vs_baseline") or {}).get("speedup") or {}
+        if sp.get("median") is not None:
+            chain.append((label, base * sp["median"], sp))
+    if base is None or len(chain) < 2:
         return None
     fig, ax = _figure()
     prev = 0.0
-    for i, (label, v) in enumerate(chain):
-        if i == 0:
+    for i, (label, v, sp) in enumerate(chain):
+        if sp is None:
             ax.bar(i, v, color="#8C8C8C", edgecolor="black", linewidth=0.5)
             ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
         else:
             gain = v - prev
             ax.bar(i, gain, bottom=prev, color="#55A868" if gain >= 0 else "#C44E52",
                    edgecolor="black", linewidth=0.5)
-            ax.text(i, max(v, prev), f"{v:.1f} ({v / chain[0][1]:.2f}x)", ha="center",
-                    va="bottom", fontsize=8)
+            ci = sp.get("ci95")
+            span = f"\n[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+            ax.text(i, max(v, prev), f"{sp['median']:.2f}x{span}", ha="center", va="bottom", fontsize=8)
         prev = v
-    ax.set_xticks(range(len(chain)), [label for label, _ in chain])
-    ax.set_ylim(0, 1.12 * max(v for _, v in chain))  # room for the value labels under the title
-    ax.set_ylabel("decode tokens/s (median)")
-    ax.set_title("Stacking the optimizations")
+    ax.set_xticks(range(len(chain)), [label for label, *_ in chain])
+    ax.set_ylim(0, 1.2 * max(v for _, v, _ in chain))  # room for the value labels under the title
+    ax.set_ylabel("decode tok/s: baseline median x paired speedup")
+    ax.set_title("Stacking the optimizations (paired speedups, 95% CI)")
     return _save(fig, path)
 
 
@@ -272,10 +259,14 @@ def speculative_acceptance(summary: dict, path: Path) -> Path | None:
 def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
               out_dir: Path) -> list[tuple[str, Path]]:
     """Draw every plot that has data; (caption, path) in report order."""
-    from moebench.results import plots_speculative
+    from moebench.results import plots_forest, plots_speculative
+    from moebench.results.policy import DEFAULTS
 
     out_dir = Path(out_dir)
     jobs = [
+        (plots_forest.ACCURACY_CAPTION, plots_forest.ACCURACY_FILE, lambda p: plots_forest.accuracy_forest(summary, p)),
+        (plots_forest.SPEEDUP_CAPTION, plots_forest.SPEEDUP_FILE,
+         lambda p: plots_forest.speedup_forest(summary, p, DEFAULTS.min_speedup)),
         ("Decode tokens/s per configuration (median, 95% CI)", "decode_tps.png",
          lambda p: decode_throughput(summary, p)),
         ("Stacking waterfall of decode tokens/s", "waterfall.png", lambda p: waterfall(summary, p)),

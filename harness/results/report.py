@@ -236,10 +236,19 @@ def _mcnemar_table(summary: dict) -> Table:
                   "both wrong", "McNemar exact p", "Δ points [95% CI]"], rows)
 
 
+def _trials_cell(diff: dict) -> str:
+    check = diff.get("trial_check") or {}
+    if check.get("p") is None:
+        return "n/a (one trial)"
+    flag = f"; FLAGGED, trial {check.get('standout')} stands out" if check.get("flagged") else ""
+    return f"p = {format_p(check['p'])}{flag}"
+
+
 def _verdict_blocks(summary: dict) -> list:
     """Every config's accuracy verdict: the difference over all trials, clustered by item, with the
-    interval, the drop the run could have detected and the verdict at the margin."""
-    rows, methods = [], []
+    interval, whether the trials agree, the drop the run would call a regression and the verdict
+    at the margin; then each verdict's sentence (what it certifies, warnings)."""
+    rows, methods, sentences = [], [], []
     for c in summary["configs"]:
         vb = c.get("vs_baseline") or {}
         diff, v = vb.get("accuracy_difference") or {}, vb.get("accuracy_verdict") or {}
@@ -248,18 +257,25 @@ def _verdict_blocks(summary: dict) -> list:
         if diff.get("method") not in methods:
             methods.append(diff["method"])
         d = diff.get("discordant") or {}
-        rows.append([c["name"] + (" (approximate)" if c.get("approximate") else ""),
-                     f"{diff['items']} x {diff['trials']}",
+        name = c["name"] + (" (approximate)" if c.get("approximate") else "")
+        rows.append([name, f"{diff['items']} x {diff['trials']}",
                      f"{d.get('baseline_only', '')} / {d.get('config_only', '')}",
                      _f(diff.get("points"), "{:+.2f}") + _ci(diff.get("ci95"), "{:+.2f}"),
-                     _f(diff.get("design_effect"), "{:.2f}"), _f(v.get("detectable_drop"), "{:.1f}"),
-                     _f(v.get("margin"), "{:g}"), v.get("verdict") or "n/a"])
+                     _f(diff.get("design_effect"), "{:.2f}"), _trials_cell(diff),
+                     _f(v.get("detectable_drop"), "{:.1f}"), _f(v.get("margin"), "{:g}"),
+                     (v.get("verdict") or "n/a") + (" (warning)" if v.get("warning") else "")])
+        if v.get("statement"):
+            sentences.append(f"{name}: {v['statement']}.")
     if not rows:
         return []
-    return [Table(["config", "items x trials", "baseline only / config only", "Δ points [95% CI]",
-                   "design effect", "detectable drop (80% power)", "margin", "verdict"], rows),
+    return [Table(["config", "items x trials", "answers lost / won", "Δ points [95% CI]", "design effect",
+                   "trials exchangeable?", "drop called a regression (80%)", "margin", "verdict"], rows),
             Para("Method: " + "; ".join(methods) + ". A pair is one item in one trial, answered by both configs (under "
-                 "sampling from the same seed); items, not trials, are the independent unit (docs/statistics.md).")]
+                 "sampling from the same seed); items, not trials, are the independent unit, and the interval carries "
+                 "the trials' excess variance when they disagree (docs/statistics.md). The decision: identical and "
+                 "non-inferior pass, regression fails, inconclusive fails unless the gate's policy says otherwise. "
+                 "Trial 0's McNemar test (above) is the seed report's statistic; it decides nothing."),
+            *[Para(s) for s in sentences]]
 
 
 def _engine_tables(summary: dict) -> list[Table]:
