@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from moebench.results.paired_accuracy import (design_effect, detectable_drop, items_for_margin, tango_interval,
-                                              trial_check, with_trial_component)
+                                              trial_check, with_item_floor, with_trial_component)
 from moebench.results.verdict import VERDICTS, decide
 
 ITEMS = (48, 200, 1319)
@@ -109,6 +109,7 @@ def judge(x: np.ndarray, margin: float = MARGIN) -> dict:
         check = trial_check(x)
         lo, hi = with_trial_component(est, lo, hi, check["trial_variance"])
         flagged = check["flagged"]
+    lo = with_item_floor(est, lo, items)
     return {"lower": lo, "upper": hi, "flagged": flagged, "verdict": decide(lo, hi, margin, flagged),
             "detectable": detectable_drop(n, items, (gain + loss) / n, deff, margin),
             "discordant": gain + loss}

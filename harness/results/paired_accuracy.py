@@ -203,6 +203,17 @@ def with_trial_component(estimate, lower, upper, trial_variance, alpha: float = 
     return np.maximum(lo, -1.0), np.minimum(hi, 1.0)
 
 
+def with_item_floor(estimate, lower, items, alpha: float = ALPHA):
+    """The lower end at least z^2 / (items + z^2) below the estimate: the share of items that could
+    be broken in every trial and still show no broken one among `items` (the score bound of 0 in
+    items). Trials cannot lower it: more trials of the same items reveal nothing about items not
+    in the run, and a drop that sits in a few whole items leaves too few clusters to estimate the
+    design effect from. With one trial the score interval already reaches about as far."""
+    z2 = _z(1 - alpha / 2) ** 2
+    floor = np.asarray(estimate, dtype=float) - z2 / (np.asarray(items, dtype=float) + z2)
+    return np.maximum(np.minimum(np.asarray(lower, dtype=float), floor), -1.0)
+
+
 def _item_trial_matrix(codes, trial_index, diff):
     """[items, trials] paired differences of the items answered in every trial (None if fewer
     than 2 trials or 2 such items)."""
@@ -258,7 +269,8 @@ def paired_difference(item_index, base_correct, config_correct, trial_index=None
         out = {"trial_p": float(check["p"]), "trials_flagged": bool(check["flagged"]),
                "standout_trial": labels[int(check["standout"])].item(),
                "per_trial": [float(v) for v in check["per_trial"]]}
-    return {"estimate": est, "lower": max(lo, -1.0), "upper": min(hi, 1.0), "items": int(pairs.size),
+    lo = float(with_item_floor(est, lo, pairs.size, alpha))
+    return {"estimate": est, "lower": lo, "upper": min(hi, 1.0), "items": int(pairs.size),
             "pairs": int(n), "gain": gain, "loss": loss, "trials": trials, "design_effect": deff,
             "discordance": (gain + loss) / n, **out,
             "method": TANGO if trials == 1 else CLUSTERED.format(trials=trials)}
