@@ -197,3 +197,16 @@ def test_warm_up_refuses_a_configuration_proved_by_echo_alone(tmp_path):
     assert message.startswith(f"{tmp_path / 'p.toml'}: profile 'slots': 'slots' is proved only by the server "
                               "repeating its arguments (echo: /props slots equals 4 (start))")
     warm('echo_only = true\n        echo_only_reason = "this test server has nothing else to show"')
+
+
+def test_the_report_prints_the_echo_only_reason_beside_the_configuration():
+    from moebench.results.report import Table, _activation_blocks
+
+    def config(name, **extra):
+        return {"name": name, "activation": {"ok": True, "errors": [], "evidence": {}}, **extra}
+
+    blocks = _activation_blocks({"configs": [config("baseline"),
+                                             config("flash-attn", echo_only="no counter names the kernel")]})
+    table = next(b for b in blocks if isinstance(b, Table))
+    assert table.rows[1][:2] == ["flash-attn", "yes (echo only: no counter names the kernel)"]
+    assert table.rows[0][:2] == ["baseline", "yes"]

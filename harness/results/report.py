@@ -369,7 +369,8 @@ def _activation_blocks(summary: dict) -> list:
               Para("Each switched-on optimization must leave evidence that it ran (trial 0's counters "
                    "below). A configuration marked NO did not measure its optimization.")]
     blocks.append(Table(["config", "active", "activation errors"],
-                        [[c["name"], _active(c), "; ".join(c["activation"].get("errors") or []) or "none"]
+                        [[c["name"], _active(c) + (f" (echo only: {c['echo_only']})" if c.get("echo_only") else ""),
+                          "; ".join(c["activation"].get("errors") or []) or "none"]
                          for c in summary["configs"]]))
     for c in summary["configs"]:
         evidence = c["activation"].get("evidence")

@@ -452,6 +452,8 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
             # allowed to change outputs (a negative control, an approximate profile or axis)
             "approximate": bool(spec.get("approximate", False)),
             **({"server_args": spec["args"]} if "args" in spec else {}),  # a server profile's own arguments
+            # a server configuration accepted on echo evidence alone, and the profile's reason
+            **({"echo_only": spec["echo_only"]} if spec.get("echo_only") else {}),
             "trials": len(rates["decode"][name]) or int(mine["trial"].nunique()),
             "decode_tokens_per_s": decode,
             "output_tokens_per_s": _rate_block(rates["output"][name]),
