@@ -199,6 +199,42 @@ def plan_check(runs: int, rng: np.random.Generator, echo=print) -> list[dict]:
     return rows
 
 
+def summarise(rows: list[dict], slack: float = 0.03) -> list[str]:
+    """The grid against the verdict's targets (docs/statistics.md), one line each."""
+    plain = [r for r in rows if not r["model"].startswith("shock")]
+    shocks = [r for r in rows if r["model"].startswith("shock")]
+    busy = [r for r in plain if r["discordant_per_run"] >= 8]
+    at_margin = [r for r in plain if abs(r["drop_points"] - MARGIN * 100) < 1e-9]
+    at_zero = [r for r in plain if r["drop_points"] == 0]
+    shock_misses = [r for r in shocks if r["coverage"] < 0.90 and not (r["flagged"] >= 0.9 and r["non-inferior"] == 0)]
+    reversals = []
+    for key in {(r["model"], r["trials"], r["accuracy"]) for r in rows}:
+        for drop, sign in ((0.5, -1), (3.0, 1)):
+            fails = [r["fail"] for r in sorted(rows, key=lambda r: r["items"])
+                     if (r["model"], r["trials"], r["accuracy"]) == key and r["drop_points"] == drop]
+            reversals += [(key, drop, fails) for a, b in zip(fails, fails[1:]) if sign * (b - a) < -slack]
+    worst = lambda xs, k, f: f(xs, key=lambda r: r[k])  # noqa: E731
+    return [
+        f"coverage, no shock, >= 8 discordant pairs per run: {min(r['coverage'] for r in busy):.3f}-"
+        f"{max(r['coverage'] for r in busy):.3f} over {len(busy)} cells (lowest: {_where(worst(busy, 'coverage', min))})",
+        f"coverage, no shock, every cell: lowest {min(r['coverage'] for r in plain):.3f} over {len(plain)} cells",
+        f"non-inferior at a true drop of the margin: at most {max(r['non-inferior'] for r in at_margin):.3f} "
+        f"({_where(worst(at_margin, 'non-inferior', max))})",
+        f"regression at no true drop: at most {max(r['regression'] for r in at_zero):.3f} "
+        f"({_where(worst(at_zero, 'regression', max))})",
+        f"trial shocks: {len(shocks) - len(shock_misses)} of {len(shocks)} cells cover >= 0.90 or flag >= 0.90 with "
+        f"no non-inferior verdict" + "".join(f"; short: {_where(r)} coverage {r['coverage']:.3f}, flagged "
+                                            f"{r['flagged']:.3f}" for r in shock_misses),
+        f"fail rate over items (0.5-point drop never rising, 3-point never falling, beyond {slack}): "
+        f"{len(reversals)} reversals" + "".join(f"; {k} {d}: {f}" for k, d, f in reversals[:5]),
+    ]
+
+
+def _where(r: dict) -> str:
+    return (f"{r['model']}, {r['items']} items x {r['trials']} trials, accuracy {r['accuracy']}, "
+            f"drop {r['drop_points']:g}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1000)
@@ -216,6 +252,8 @@ def main(argv=None) -> int:
         rows = plan_check(args.runs, rng, echo=echo)
     else:
         rows = grid(args.runs, rng, echo=echo)
+        for line in summarise(rows):
+            echo(line)
     print(f"{time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
