@@ -4,8 +4,8 @@ thread count and batch. Each part is timed with perf_counter around the model's 
 fused MoE kernel and the projections are C++ calls torch.profiler does not see inside); the CPU
 time of every thread of the process over the measured run is printed too (a helper thread burning
 CPU while the step waits shows there). Where a decode step's layers run as one native call
-(MoeTransformer.native_decode_layers) they are one part; MOEBENCH_DECODE_CHAINS=0 runs them one by
-one and splits them into attention, router and experts; the native call splits itself the same way
+(MoeTransformer.native_decode_layers) they are one part; MOEBENCH_DECODE_CHAINS=0 (the chains override,
+read here) with --decode-path chained runs them one by one and splits them into attention, router and experts; the native call splits itself the same way
 (DecodeLayers.part_seconds, its own clock around each op). Where a part's weight bytes are fixed
 (the dense projections, the LM head) its read rate is printed too, and the experts' from the
 distinct experts each step routed to.
@@ -35,6 +35,7 @@ from moebench.engine import model as model_module
 from moebench.engine import moe as moe_module
 from moebench.engine import runner as runner_module
 from moebench.engine.config import DECODE_PATHS
+from moebench.engine.overrides import Overrides
 from moebench.kernels import cpu_dense
 from moebench.measuring.bench_models import benchmark_checkpoint
 
@@ -163,7 +164,8 @@ def main() -> None:
             torch.set_num_threads(threads)
             engine = Engine(ckpt, None, RuntimeConfig(kernel="fused", scheduler="static", batch_size=b,
                                                       max_new_tokens=args.new_tokens, weights=args.weights,
-                                                      lm_head=args.lm_head, decode_path=args.decode_path))
+                                                      lm_head=args.lm_head, decode_path=args.decode_path,
+                                                      overrides=Overrides.from_environment(os.environ)))
             engine.generate([Request(f"w{i}", "", 4) for i in range(b)], prompt_ids=prompts[:b])  # warm-up
             parts.clear()
             pool_before = cpu_dense.pool_stats() or {}

@@ -33,6 +33,9 @@ def measure(dtype_name: str, tokens: list[int], repeats: int) -> dict:
     from moebench.kernels.cpu_moe import load_extension
 
     torch.set_num_threads(1)
+    from moebench.engine.overrides import Overrides, apply_process_overrides
+
+    apply_process_overrides(Overrides.from_environment(os.environ))  # the child's entry: MOEBENCH_AVX512
     ext = load_extension()
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype_name]
     g = torch.Generator().manual_seed(0)

@@ -42,7 +42,8 @@ from moebench.engine.memory import to_huge_pages
 from moebench.engine.model import ForwardBatch, RotaryEmbedding, rms_norm
 from moebench.errors import MoebenchError
 from moebench.kernels import route
-from moebench.kernels.cpu_dense import linear
+from moebench.engine.overrides import DEFAULT as NO_OVERRIDES
+from moebench.kernels import cpu_dense
 
 FAMILY = "bailing_hybrid"
 MLA, KDA = "mla", "kda"
@@ -340,8 +341,10 @@ class HybridTransformer:
     """Forward pass of a `bailing_hybrid` checkpoint over a `HybridCache`. Same calling convention
     as `MoeTransformer`: `moe_block(layer, x, h)` is injected and returns h + its routed output."""
 
-    def __init__(self, ckpt, moe_block):
+    def __init__(self, ckpt, moe_block, overrides=NO_OVERRIDES):
         self.ckpt = ckpt
+        # the dense projections' op, bound once (the dense override: torch everywhere)
+        self.linear = cpu_dense.linear if overrides.dense == "kernel" else cpu_dense.torch_linear
         self.cfg: HybridModelConfig = ckpt.config
         self.moe_block = moe_block
         cfg = self.cfg
@@ -363,9 +366,9 @@ class HybridTransformer:
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         B, Lq = batch.batch_size, batch.max_q
         q_width = heads * (nope + rope) if cfg.q_lora_rank is None else cfg.q_lora_rank
-        q, kv, gate = linear(x, w.mla_in_proj, w.mla_in_bias).split([q_width, lora + rope, heads], dim=-1)
+        q, kv, gate = self.linear(x, w.mla_in_proj, w.mla_in_bias).split([q_width, lora + rope, heads], dim=-1)
         if cfg.q_lora_rank is not None:
-            q = linear(rms_norm(q, w.q_a_norm, LATENT_NORM_EPS), w.q_b_proj)
+            q = self.linear(rms_norm(q, w.q_a_norm, LATENT_NORM_EPS), w.q_b_proj)
         q_nope, q_rot = q.view(N, heads, nope + rope).split([nope, rope], dim=-1)
         q_rot = self.rope.apply(q_rot, *rope_tables)
         k_rot = self.rope.apply(kv[:, None, lora:], *rope_tables)[:, 0]
@@ -392,7 +395,7 @@ class HybridTransformer:
             out = out.transpose(1, 2).reshape(B * Lq, heads, lora)[batch.padded_index]
         out = torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # [N, heads, v]
         out = out * torch.sigmoid(gate.float()).to(out.dtype).unsqueeze(-1)
-        return linear(out.reshape(N, heads * cfg.v_head_dim), w.o_proj, w.o_bias)
+        return self.linear(out.reshape(N, heads * cfg.v_head_dim), w.o_proj, w.o_bias)
 
     def _forget_gate(self, f: torch.Tensor, w: HybridLayerWeights) -> torch.Tensor:
         """Per-channel log-decay (<= 0), float32, [N, heads, head_dim]."""
@@ -406,7 +409,7 @@ class HybridTransformer:
     def kda(self, x, i: int, batch: ForwardBatch, cache: HybridCache, slots: torch.Tensor, runs) -> torch.Tensor:
         cfg, w = self.cfg, self.ckpt.layers[i]
         N, D, h, hd = x.shape[0], self.kda_dim, cfg.kda_heads, cfg.kda_head_dim
-        mixed, f, out_gate, b = linear(x, w.kda_in_proj).split([3 * D, D, D, h], dim=-1)
+        mixed, f, out_gate, b = self.linear(x, w.kda_in_proj).split([3 * D, D, D, h], dim=-1)
         log_decay = self._forget_gate(f, w)
         beta = torch.sigmoid(b.float())
         conv_pool, state_pool = cache.conv[i], cache.recurrent[i]
@@ -454,12 +457,11 @@ class HybridTransformer:
             out = torch.cat(outs)
         # RMSNorm per head, gated by sigmoid(output gate), in float32
         out = rms_norm(out, w.out_norm, cfg.rms_norm_eps) * torch.sigmoid(out_gate.float()).view(N, h, hd)
-        return linear(out.to(x.dtype).reshape(N, D), w.o_proj)
+        return self.linear(out.to(x.dtype).reshape(N, D), w.o_proj)
 
-    @staticmethod
-    def swiglu(x, w13, w2):
-        gate, up = linear(x, w13).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, w2)
+    def swiglu(self, x, w13, w2):
+        gate, up = self.linear(x, w13).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, w2)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: HybridCache, all_positions: bool = False) -> torch.Tensor:
@@ -487,7 +489,7 @@ class HybridTransformer:
         if not all_positions and batch.max_q > 1:
             h = h[batch.last_token_index]
         h = rms_norm(h, self.ckpt.final_norm, eps)
-        return linear(h, self.ckpt.lm_head).float()
+        return self.linear(h, self.ckpt.lm_head).float()
 
 
 def make_hybrid_cache(ckpt, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype,

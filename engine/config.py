@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moebench.engine.overrides import Overrides
 from moebench.errors import MoebenchError
 
 
@@ -147,7 +148,6 @@ class StoreTuning:
     host_workers: int = 1  # host tier: copy workers
     loader_cpus: str = "auto"  # cores of the native loader threads: auto, any, or a list such as "1,2"
     loader_spin_us: int = 2000  # an idle native loader thread spins this long before it sleeps
-    expert_store: str | None = None  # auto | native | python bookkeeping (None: MOEBENCH_EXPERT_STORE, else auto)
     lookahead_early: bool = True  # also guess each layer's experts from the previous layer's MoE input
     lookahead_governor: bool = True  # stop guessing for a while where guesses cost more than they save
     lookahead_window: int = 48  # plans the governor weighs at a time
@@ -184,6 +184,9 @@ class RuntimeConfig:
     # own, int8 per output row (engine/quantize.py: weights_in; approximate, docs/int8.md)
     weights: str = "f32"
     store: StoreTuning = field(default_factory=StoreTuning)
+    # how single ops run where a measurement or a machine asks for another implementation
+    # (engine/overrides.py): read once at a command's entry, recorded in the manifest
+    overrides: Overrides = field(default_factory=Overrides)
 
     def __post_init__(self):
         for name, value, allowed in (

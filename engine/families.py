@@ -33,10 +33,12 @@ def parse_model_config(path: Path):
 
 
 def load_checkpoint(path, device: str = "cpu", dtype=None, experts_in_checkpoint_dtype: bool = False,
-                    load_experts: bool = True):
+                    load_experts: bool = True, overrides=None):
     """A checkpoint directory (safetensors) in the engine's weight layout, float32 unless `dtype` says.
     `experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype.
-    `load_experts=False`: leave routed experts in the files for the disk tier (Qwen3-MoE, Mixtral)."""
+    `load_experts=False`: leave routed experts in the files for the disk tier (Qwen3-MoE, Mixtral).
+    `overrides` (engine/overrides.py): the dense_weights and dense overrides decide a bfloat16
+    checkpoint's dense weights' dtype."""
     import torch
 
     from moebench.engine.loader import TensorIndex, load_transformer_checkpoint
@@ -52,7 +54,7 @@ def load_checkpoint(path, device: str = "cpu", dtype=None, experts_in_checkpoint
 
         return load_hybrid_checkpoint(directory, cfg, index, device, dtype, experts_in_checkpoint_dtype)
     return load_transformer_checkpoint(directory, cfg, index, device, dtype, experts_in_checkpoint_dtype,
-                                       load_experts)
+                                       load_experts, overrides)
 
 
 def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
@@ -69,14 +71,14 @@ def make_cache_and_model(ckpt, runtime, num_kv_blocks: int):
             from moebench.errors import MoebenchError
 
             raise MoebenchError(f"--lm-head {runtime.lm_head}: the {cfg.family} model runs its LM head in float32 only")
-        return block_manager, cache, HybridTransformer(ckpt, None)
+        return block_manager, cache, HybridTransformer(ckpt, None, runtime.overrides)
     from moebench.engine.kv_cache import BlockManager, KVCache
     from moebench.engine.model import MoeTransformer
 
     block_manager = BlockManager(num_kv_blocks, runtime.kv_block_size)
     kv = KVCache(cfg.num_layers, num_kv_blocks, runtime.kv_block_size, cfg.num_kv_heads, cfg.head_dim,
                  runtime.torch_dtype, runtime.device)
-    return block_manager, kv, MoeTransformer(ckpt, None, lm_head=runtime.lm_head)
+    return block_manager, kv, MoeTransformer(ckpt, None, lm_head=runtime.lm_head, overrides=runtime.overrides)
 
 
 def make_runner(ckpt, runtime, model, moe_block):

@@ -86,6 +86,10 @@ class Engine:
         self.cfg = ckpt.config
         self.tokenizer = tokenizer
         self.runtime = runtime
+        if runtime.device == "cpu":  # the AVX-512 choice and the pool's spin live in the extension
+            from moebench.engine.overrides import apply_process_overrides
+
+            apply_process_overrides(runtime.overrides)
         self.torch_dtype = runtime.torch_dtype  # (a property of the frozen runtime: read once, not per step)
         self.eos_ids = set(self.cfg.eos_token_ids)
         self._read_sizes = None  # see bytes_read
@@ -336,7 +340,7 @@ class EngineSession:
         # the family's block manager, cache and forward (engine/families.py)
         self.block_manager, self.kv, self.model = make_cache_and_model(engine.ckpt, rt, num_kv_blocks)
         self.stats = RoutingStats(cfg.num_layers, cfg.num_experts)
-        self.kernel = make_kernel(rt.kernel)
+        self.kernel = make_kernel(rt.kernel, rt.overrides)
         self.store, self.prefetcher = make_store_and_prefetcher(engine.ckpt, rt)
         self.model.moe_block = MoeBlock(self.model.route, self.kernel, self.store, self.prefetcher, self.stats)
         self.scheduler = make_scheduler(rt, self.block_manager)
@@ -452,7 +456,7 @@ class EngineSession:
             errors += self.prefetcher.activation_errors(self.store)
         from moebench.engine.model import decode_attention_errors
 
-        errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype)
+        errors += decode_attention_errors(evidence.get("attention"), rt.device, rt.torch_dtype, rt.overrides)
         if self.sampling_requests and not self.sampling_counts["sampled_positions"]:
             errors.append(f"sampling: {self.sampling_requests} requests asked for it and the engine drew no token")
         errors += self.runner.activation_errors()
@@ -461,7 +465,7 @@ class EngineSession:
         if rt.lm_head != "f32":
             from moebench.engine.model import lm_head_errors
 
-            errors += lm_head_errors(evidence.get("lm_head"), rt.device)
+            errors += lm_head_errors(evidence.get("lm_head"), rt.device, rt.overrides)
         if rt.weights != "f32":
             from moebench.engine.weight_evidence import weights_errors
 

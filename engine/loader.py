@@ -7,7 +7,6 @@ layout every MoE kernel in `moebench.kernels` takes.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,20 +153,20 @@ def _router_name(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.{block}.gate.weight"
 
 
-DENSE_WEIGHTS_ENV = "MOEBENCH_DENSE_WEIGHTS"  # =float32: widen a bfloat16 checkpoint's dense weights at load
-
-
-def keeps_dense_in_checkpoint_dtype(stored: torch.dtype, device: str, dtype: torch.dtype) -> bool:
+def keeps_dense_in_checkpoint_dtype(stored: torch.dtype, device: str, dtype: torch.dtype, overrides=None) -> bool:
     """Whether a checkpoint's dense matrices (attention projections, dense MLPs, an untied LM head)
     stay in the file's dtype: a bfloat16 checkpoint computed in float32 on the CPU, where the
     extension's dense kernel streams bfloat16 rows and widens them in registers. Widening is exact
     (every bfloat16 value is a float32 value), so the results are those of the float32 copy while a
-    decode step reads half the bytes. Elsewhere (no extension, MOEBENCH_DENSE_KERNEL=torch, CUDA)
-    a bfloat16 matrix would be widened on every call: it is widened once, at load.
-    MOEBENCH_DENSE_WEIGHTS=float32 widens at load anyway (for A/B measurements)."""
+    decode step reads half the bytes. Elsewhere (no extension, the dense override, CUDA) a bfloat16
+    matrix would be widened on every call: it is widened once, at load. The dense_weights override
+    (engine/overrides.py) widens at load anyway (for A/B measurements)."""
+    from moebench.engine.overrides import DEFAULT
+
+    overrides = overrides or DEFAULT
     if not (device == "cpu" and dtype == torch.float32 and stored == torch.bfloat16):
         return False
-    if os.environ.get(DENSE_WEIGHTS_ENV, "checkpoint") == "float32":
+    if overrides.dense_weights == "float32" or overrides.dense != "kernel":
         return False
     from moebench.kernels.cpu_dense import dense_kernel_enabled
 
@@ -176,7 +175,7 @@ def keeps_dense_in_checkpoint_dtype(stored: torch.dtype, device: str, dtype: tor
 
 def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: TensorIndex, device: str,
                                 dtype: torch.dtype, experts_in_checkpoint_dtype: bool = False,
-                                load_experts: bool = True) -> Checkpoint:
+                                load_experts: bool = True, overrides=None) -> Checkpoint:
     """A Qwen3-MoE or Mixtral checkpoint (engine/families.py's load_checkpoint picks the loader by family).
     `experts_in_checkpoint_dtype`: keep routed experts on the CPU in the file's own dtype (the store
     holds them so, or converts only those it holds). `load_experts=False`: routed experts stored one
@@ -194,7 +193,7 @@ def load_transformer_checkpoint(directory: Path, cfg: ModelConfig, index: Tensor
     embed_name = "model.embed_tokens.weight"
     checkpoint_dtype = index._open(index.name_to_file[embed_name]).get_slice(embed_name).get_dtype() if embed_name in index else "F32"
     stored = _SAFETENSORS_DTYPES.get(checkpoint_dtype, torch.float32)
-    dense_dtype = stored if keeps_dense_in_checkpoint_dtype(stored, device, dtype) else dtype
+    dense_dtype = stored if keeps_dense_in_checkpoint_dtype(stored, device, dtype, overrides) else dtype
 
     def matrix(name: str, *shape: int) -> torch.Tensor:
         """A dense matrix in `dense_dtype` (a tensor stored in another dtype is converted to it)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import mmap
-import os
 from pathlib import Path
 
 import torch
@@ -26,8 +25,15 @@ HUGE_PAGE = 2 * 1024 * 1024
 MIN_BYTES = HUGE_PAGE  # smaller tensors stay where torch put them
 
 
+_huge_pages = [True]  # the huge_pages override, set once per process (engine/overrides.py)
+
+
+def set_huge_pages(on: bool) -> None:
+    _huge_pages[0] = bool(on)
+
+
 def huge_pages_supported() -> bool:
-    if os.environ.get("MOEBENCH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not _huge_pages[0] or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     return _kernel_allows_huge_pages()
 

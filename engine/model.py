@@ -5,7 +5,6 @@ configured MoE kernel. Plain tensors, no autograd: the model is only ever run fo
 
 from __future__ import annotations
 
-import os
 import torch
 import torch.nn.functional as F
 
@@ -14,9 +13,9 @@ from moebench.engine.kv_cache import KVCache
 from moebench.engine.loader import Checkpoint
 from moebench.engine.runner import ForwardBatch, build_forward_batch  # noqa: F401 (imported from here)
 from moebench.kernels import cpu_dense, route
-from moebench.kernels.cpu_attention import DISABLE_ENV as DECODE_ATTENTION_ENV
+from moebench.engine.overrides import DEFAULT as NO_OVERRIDES
+from moebench.engine.overrides import VARIABLES as OVERRIDE_VARIABLES
 from moebench.kernels.cpu_attention import paged_decode_attention
-from moebench.kernels.cpu_dense import linear
 from moebench.errors import MoebenchError
 
 
@@ -71,24 +70,32 @@ class MoeTransformer:
     streaming kernel on the step's thread pool (F.linear to float32 rounding); the LM head through
     `cpu_dense.lm_head`, the same kernel, in the precision `lm_head` asks for (docs/lm-head.md)."""
 
-    def __init__(self, ckpt: Checkpoint, moe_block, lm_head: str = "f32"):
+    def __init__(self, ckpt: Checkpoint, moe_block, lm_head: str = "f32", overrides=NO_OVERRIDES):
         from moebench.engine.quantize import lm_head_for
 
         self.ckpt = ckpt
+        self.overrides = overrides
+        on_cpu_f32 = ckpt.embed.device.type == "cpu" and ckpt.embed.dtype == torch.float32
+        # the dense projections' op, bound once: the streaming kernel for a decode step's rows, or torch
+        # everywhere (the dense override)
+        dense_kernel = overrides.dense == "kernel"
+        self.linear = cpu_dense.linear if dense_kernel else cpu_dense.torch_linear
         self.cfg = ckpt.config
         self.moe_block = moe_block
         self.rope = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, ckpt.embed.device)
         self.scale = self.cfg.head_dim ** -0.5
         # decode steps read the paged KV cache directly (kernels/cpu_attention.py) where the kernel
-        # applies; MOEBENCH_DECODE_ATTENTION=torch keeps the gather + SDPA path
-        self.fast_decode_attention = os.environ.get(DECODE_ATTENTION_ENV, "kernel") != "torch"
-        # the extension's exact small ops (None: torch ops only)
-        self.ops = cpu_step_ops() if ckpt.embed.device.type == "cpu" and ckpt.embed.dtype == torch.float32 else None
+        # applies; the attention override keeps the gather + SDPA path
+        self.fast_decode_attention = overrides.attention == "kernel"
+        # the extension's exact small ops, residual add + RMSNorm and the chains built on them (None:
+        # torch ops only, also where the norms override asks for that)
+        self.ops = cpu_step_ops() if on_cpu_f32 and overrides.norms == "kernel" else None
+        self.moe_layers = [self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers)]
         # decode attention calls (one per layer and decode step) by the implementation that ran them:
         # the activation evidence of the C++ decode attention (see decode_attention_errors)
         self.attention_backends: dict[str, int] = {}
         # a decode step's attention sub-layer and router each run as one native call where the ops
-        # they chain apply (MOEBENCH_DECODE_CHAINS=0 calls them one by one, for A/B measurements)
+        # they chain apply (the chains override calls them one by one, for A/B measurements)
         # (the weights a chain streams are checked here, once: they do not change)
         chained_weights = [w for layer in ckpt.layers for w in (layer.qkv_proj, layer.o_proj, layer.router)
                            if w is not None]
@@ -103,14 +110,19 @@ class MoeTransformer:
         from moebench.engine.weight_evidence import WeightsEvidence
 
         self._weights = WeightsEvidence(getattr(ckpt, "weights", "f32"), ckpt, ckpt.embed.device.type)
-        # the native call ends with the LM head where the kernel streams it (its logits are returned)
-        self._native_lm_head = cpu_dense.head_streams(self.head_weight, self.head_scale)
+        # the native call ends with the LM head where the kernel streams it (its logits are returned);
+        # a decode step's rows run the kernel's op, bound here, other rows torch (logits)
+        streams = dense_kernel and cpu_dense.head_streams(self.head_weight, self.head_scale)
+        self._native_lm_head = streams
+        ext = cpu_dense.load_extension() if streams and on_cpu_f32 else None
+        self._head_kernel = ext.lm_head_linear if ext is not None else None
+        self._head_torch = cpu_dense.lm_head if dense_kernel else cpu_dense.torch_lm_head
         # speculative MTP drafting reads each forward's final-normed hidden states (keep_hidden_states)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
-        self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode")
-                                 and os.environ.get(DECODE_CHAINS_ENV, "1") != "0" and cpu_dense.dense_kernel_enabled()
-                                 and self.fast_decode_attention and all(map(cpu_dense.weight_streams, chained_weights)))
+        self.chains_available = (self.ops is not None and hasattr(self.ops, "route_decode") and overrides.chains
+                                 and dense_kernel and cpu_dense.dense_kernel_enabled() and self.fast_decode_attention
+                                 and all(map(cpu_dense.weight_streams, chained_weights)))
         # whether a decode step's attention sub-layers and routers run as one native call each: set by
         # the session's step runner when it is built (engine/decode_path.py), as is the runner itself;
         # a model alone runs auto's (tests drive one)
@@ -128,7 +140,7 @@ class MoeTransformer:
         cfg, w = self.cfg, self.ckpt.layers[layer_idx]
         N = x.shape[0]
         B, Lq = batch.batch_size, batch.max_q
-        qkv = linear(x, w.qkv_proj, w.qkv_bias)
+        qkv = self.linear(x, w.qkv_proj, w.qkv_bias)
         if Lq == 1 and self.fast_decode_attention and self.ops is not None and kv.k[layer_idx].dtype == torch.float32:
             out = self.ops.decode_attention_block(
                 qkv, w.q_norm if cfg.qk_norm else None, w.k_norm if cfg.qk_norm else None, cfg.rms_norm_eps,
@@ -136,7 +148,7 @@ class MoeTransformer:
                 batch.context_blocks, batch.context_lens, kv.block_size, self.scale, cfg.sliding_window or 0,
                 cfg.num_heads)
             self._count_attention("cpp-block")
-            return linear(out, w.o_proj)
+            return self.linear(out, w.o_proj)
         q, k, v = qkv.split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
         q = q.view(N, cfg.num_heads, cfg.head_dim)
@@ -158,7 +170,7 @@ class MoeTransformer:
                                          cfg.sliding_window)
             if out is not None:
                 self._count_attention("cpp-paged")
-                return linear(out.view(B, cfg.num_heads * cfg.head_dim), w.o_proj)
+                return self.linear(out.view(B, cfg.num_heads * cfg.head_dim), w.o_proj)
         if Lq == 1:
             self._count_attention("torch-sdpa")
             qp = q.view(B, 1, cfg.num_heads, cfg.head_dim)
@@ -174,7 +186,7 @@ class MoeTransformer:
         out = out.transpose(1, 2).reshape(B * Lq, cfg.num_heads * cfg.head_dim)
         if Lq != 1:
             out = out[batch.padded_index]
-        return linear(out, w.o_proj)
+        return self.linear(out, w.o_proj)
 
     def attention_sublayer(self, h, x, layer_idx: int, batch: ForwardBatch, kv: KVCache, rope_tables,
                            post_norm: torch.Tensor, chained: bool) -> torch.Tensor:
@@ -214,14 +226,14 @@ class MoeTransformer:
 
     def dense_mlp(self, x, layer_idx: int) -> torch.Tensor:
         w = self.ckpt.layers[layer_idx]
-        gate, up = linear(x, w.dense_w13).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, w.dense_w2)
+        gate, up = self.linear(x, w.dense_w13).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, w.dense_w2)
 
     def route(self, x, layer_idx: int):
         cfg, router = self.cfg, self.ckpt.layers[layer_idx].router
-        if self.decode_chains and cpu_dense.rows_stream(x):
+        if self.decode_chains and x.shape[0] <= cpu_dense.DENSE_MAX_ROWS:  # (float32 CPU rows: chains are)
             return self.ops.route_decode(x.contiguous(), router, cfg.top_k, cfg.norm_topk_prob)
-        weights, ids = route(linear(x, router), cfg.top_k, cfg.norm_topk_prob)
+        weights, ids = route(self.linear(x, router), cfg.top_k, cfg.norm_topk_prob)
         return weights.to(x.dtype), ids
 
     def forward(self, batch: ForwardBatch, kv: KVCache, all_positions: bool = False) -> torch.Tensor:
@@ -260,7 +272,7 @@ class MoeTransformer:
         h = self.ckpt.embed[batch.input_ids]
         self.moe_block.start(h)
         select = not all_positions and batch.max_q > 1
-        add_norm, eps, layers = self.ops.add_rms_norm, cfg.rms_norm_eps, self.ckpt.layers
+        add_norm, eps, layers, moe = self.ops.add_rms_norm, cfg.rms_norm_eps, self.ckpt.layers, self.moe_layers
         self.rope.ensure(batch.max_position)
         # decode attention reads the whole cos/sin tables in C++; other steps look their rows up once
         decode_block = batch.max_q == 1 and self.fast_decode_attention
@@ -269,7 +281,7 @@ class MoeTransformer:
         for i, w in enumerate(layers):
             x = self.attention_sublayer(h, x, i, batch, kv, rope_tables, w.post_attention_norm, chained)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.ckpt.final_norm
-            if cfg.is_moe_layer(i):
+            if moe[i]:
                 h = self.moe_block(i, x, h)
                 x = add_norm(h, None, next_norm, eps)
             else:
@@ -281,8 +293,11 @@ class MoeTransformer:
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head on the final norm's output: [rows, vocab] float32 (kernels/cpu_dense.lm_head)."""
-        return cpu_dense.lm_head(x, self.head_weight, self.head_scale)
+        """The LM head on the final norm's output: [rows, vocab] float32: a decode step's rows in the
+        kernel bound when the model was made, others in torch (kernels/cpu_dense.lm_head)."""
+        if self._head_kernel is not None and x.shape[0] <= cpu_dense.DENSE_MAX_ROWS:
+            return self._head_kernel(x if x.stride(-1) == 1 else x.contiguous(), self.head_weight, self.head_scale)
+        return self._head_torch(x, self.head_weight, self.head_scale)
 
     def _head_counts(self) -> dict:
         # the extension's counters where this model's steps may use it (a CPU model); a CUDA model's
@@ -313,35 +328,31 @@ class MoeTransformer:
 
 
 STEP_OPS = ("add_rms_norm", "decode_attention_block")
-DECODE_CHAINS_ENV = "MOEBENCH_DECODE_CHAINS"
 
 
-def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dtype) -> list[str]:
+def decode_attention_errors(backends: dict | None, device: str, dtype: torch.dtype, overrides=NO_OVERRIDES) -> list[str]:
     """Decode attention on the CPU in float32 is the C++ kernel's; a decode call the torch path ran
     there fell back (the extension did not build), which is an activation failure unless the user
-    chose it (MOEBENCH_DECODE_ATTENTION=torch) or accepts fallbacks (MOEBENCH_ALLOW_FALLBACK=1)."""
-    from moebench.engine.fallbacks import fallback_allowed
-
+    chose it (the attention override) or accepts fallbacks (the allow_fallback override)."""
     fell_back = (backends or {}).get("torch-sdpa", 0)
-    if not fell_back or device != "cpu" or dtype != torch.float32 or fallback_allowed():
+    if not fell_back or device != "cpu" or dtype != torch.float32 or overrides.allow_fallback:
         return []
-    if os.environ.get(DECODE_ATTENTION_ENV, "kernel") == "torch":
+    if overrides.attention == "torch":
         return []
+    variable = OVERRIDE_VARIABLES["attention"]
     return [f"decode attention fell back to torch SDPA in {fell_back} of {sum(backends.values())} calls: the C++ "
-            f"kernel did not run (set {DECODE_ATTENTION_ENV}=torch to accept that)"]
+            f"kernel did not run (set {variable}=torch to accept that)"]
 
 
 STORED_DTYPES = {"f32": "float32", "bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
 
 
-def lm_head_errors(evidence: dict | None, device: str) -> list[str]:
+def lm_head_errors(evidence: dict | None, device: str, overrides=NO_OVERRIDES) -> list[str]:
     """A low-precision LM head must be seen where it ran: on the CPU the kernel must have streamed
     its rows in the stored dtype, and never float32 (that is the full-precision head: the option did
     nothing); elsewhere (CUDA) torch must have run it in the stored dtype. A CPU head that ran only in
-    torch (no extension) is an error unless fallbacks are accepted (MOEBENCH_ALLOW_FALLBACK=1) or the
-    user switched the kernel off (MOEBENCH_DENSE_KERNEL=torch)."""
-    from moebench.engine.moe import fallback_allowed
-
+    torch (no extension) is an error unless fallbacks are accepted or the user switched the dense
+    kernel off (the allow_fallback and dense overrides)."""
     precision = (evidence or {}).get("precision", "f32")
     if precision == "f32":
         return []
@@ -352,8 +363,8 @@ def lm_head_errors(evidence: dict | None, device: str) -> list[str]:
         errors.append(f"--lm-head {precision}: the LM-head kernel streamed float32 in {kernel['float32']['calls']} "
                       f"calls ({kernel['float32']['bytes']} bytes): the full-precision head ran")
     if want not in kernel:
-        chose_torch = os.environ.get(cpu_dense.DISABLE_ENV, "kernel") == "torch"
-        if device != "cpu" or fallback_allowed() or chose_torch:
+        chose_torch = overrides.dense == "torch"
+        if device != "cpu" or overrides.allow_fallback or chose_torch:
             if want not in in_torch:
                 errors.append(f"--lm-head {precision}: no LM-head call ran with {want} weights")
         else:

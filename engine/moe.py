@@ -4,20 +4,20 @@
 once and runs the fused kernels of `moebench.kernels`. The evidence that the switch was honoured
 is not the strategy's call count but the implementation that computed every call: the C++ kernel,
 the grouped torch fallback (and any per-expert loop inside it) or Triton. A fused run in which any
-call fell back is an activation failure unless the user asked for that fallback
-(MOEBENCH_CPU_KERNEL=torch, or MOEBENCH_ALLOW_FALLBACK=1 for every fallback).
+call fell back is an activation failure unless the user asked for that fallback (the overrides'
+moe_op=torch, or allow_fallback for every fallback: engine/overrides.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from moebench.engine.fallbacks import ALLOW_FALLBACK_ENV, fallback_allowed
+from moebench.engine.overrides import DEFAULT as NO_OVERRIDES
+from moebench.engine.overrides import VARIABLES as OVERRIDE_VARIABLES
 from moebench.engine.routing_stats import RoutingStats
 from moebench.kernels import BACKEND_TRITON, fused_moe
-from moebench.kernels.cpu_moe import BACKEND_CPP, BACKEND_LOOP, BACKEND_TORCH, cpp_kernel_takes, cpu_backend
+from moebench.kernels.cpu_moe import (BACKEND_CPP, BACKEND_LOOP, BACKEND_TORCH, cpp_kernel_takes, cpu_backend,
+                                      fused_moe_cpu_torch)
 
 
 class MoeKernel:
@@ -49,12 +49,15 @@ class NaiveMoe(MoeKernel):
 class FusedMoe(MoeKernel):
     name = "fused"
 
-    def __init__(self):
+    def __init__(self, overrides=NO_OVERRIDES):
         super().__init__()
+        self.overrides = overrides
         self.backends: dict[str, int] = {}  # implementation -> calls it computed
+        # the op, bound once: the fused kernels, or (the moe_op override) the grouped torch op on the CPU
+        self._op = fused_moe if overrides.moe_op == "kernel" else _torch_unless_cuda
 
     def compute(self, x, topk_weights, topk_ids, w13, w2):
-        return fused_moe(x, topk_weights, topk_ids, w13, w2, self.backends)
+        return self._op(x, topk_weights, topk_ids, w13, w2, self.backends)
 
     def count_native_calls(self, calls: int) -> None:
         """`calls` MoE layers ran the C++ kernel inside one native call of a decode step's layers
@@ -64,24 +67,28 @@ class FusedMoe(MoeKernel):
 
     def evidence(self) -> dict:
         return {**super().evidence(), "backends": dict(self.backends),
-                "allowed_backends": sorted(allowed_fused_backends())}
+                "allowed_backends": sorted(allowed_fused_backends(self.overrides))}
 
 
-def allowed_fused_backends() -> set[str]:
+def _torch_unless_cuda(x, topk_weights, topk_ids, w13, w2, backends):
+    """The moe_op override: the fused algorithm in grouped torch ops on the CPU (Triton on CUDA)."""
+    if x.is_cuda:
+        return fused_moe(x, topk_weights, topk_ids, w13, w2, backends)
+    return fused_moe_cpu_torch(x, topk_weights, topk_ids, w13, w2, backends)
+
+
+def allowed_fused_backends(overrides=NO_OVERRIDES) -> set[str]:
     """The implementations a fused run may use without failing activation."""
     allowed = {BACKEND_CPP, BACKEND_TRITON}
-    if os.environ.get("MOEBENCH_CPU_KERNEL") == "torch":  # the user chose the torch path
+    if overrides.moe_op == "torch":  # the user chose the torch path
         allowed.add(BACKEND_TORCH)
-    if fallback_allowed():
+    if overrides.allow_fallback:
         allowed |= {BACKEND_TORCH, BACKEND_LOOP}
     return allowed
 
 
-KERNEL_CLASSES = {"naive": NaiveMoe, "fused": FusedMoe}
-
-
-def make_kernel(name: str) -> MoeKernel:
-    return KERNEL_CLASSES[name]()
+def make_kernel(name: str, overrides=NO_OVERRIDES) -> MoeKernel:
+    return FusedMoe(overrides) if name == "fused" else NaiveMoe()
 
 
 def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:
@@ -96,7 +103,8 @@ def kernel_activation_errors(kernel: str, evidence: dict) -> list[str]:
         if fell_back:
             ran = ", ".join(f"{b} {n}x" for b, n in sorted(fell_back.items()))
             return [f"kernel=fused fell back to {ran} (of {fused} calls): the C++ kernel did not compute "
-                    f"them (set {ALLOW_FALLBACK_ENV}=1, or MOEBENCH_CPU_KERNEL=torch, to accept that)"]
+                    f"them (set {OVERRIDE_VARIABLES['allow_fallback']}=1, or {OVERRIDE_VARIABLES['moe_op']}=torch, "
+                    "to accept that)"]
     if kernel == "naive" and fused > 0:
         return [f"kernel=naive but the fused kernel ran {fused} times"]
     return []
@@ -113,6 +121,8 @@ class MoeBlock:
         self.kernel = kernel
         self.store = store
         self.prefetcher = prefetcher
+        # the prefetcher's hooks, where it has any that do something (prefetch=off has none)
+        self.hooks = prefetcher if getattr(prefetcher, "active", True) else None
         self.stats = stats
 
     def resident_experts(self) -> dict | None:
@@ -142,15 +152,19 @@ class MoeBlock:
 
     def start(self, h: torch.Tensor) -> None:
         """A forward pass begins with these embeddings."""
-        self.prefetcher.before_forward(h)
+        if self.hooks is not None:
+            self.hooks.before_forward(h)
 
     def __call__(self, layer: int, x: torch.Tensor, residual: torch.Tensor,
                  shared: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x, layer)
         self.stats.record(layer, topk_ids)
-        self.prefetcher.before_layer(layer, x)
+        hooks = self.hooks
+        if hooks is not None:
+            hooks.before_layer(layer, x)
         w13, w2, slot_ids = self.store.fetch(layer, topk_ids)
         routed = self.kernel(x, topk_weights, slot_ids, w13, w2)
         h = residual + (routed if shared is None else routed + shared)
-        self.prefetcher.after_layer(layer, h)
+        if hooks is not None:
+            hooks.after_layer(layer, h)
         return h

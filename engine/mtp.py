@@ -37,7 +37,6 @@ from moebench.engine.loader import LayerWeights, TensorIndex, _expert_names
 from moebench.errors import MoebenchError
 from moebench.kernels.cpu_attention import paged_decode_attention, paged_decode_attention_reference
 from moebench.kernels import cpu_dense, route
-from moebench.kernels.cpu_dense import linear
 from moebench.kernels.reference import moe_reference
 
 CONFIG_FIELD = "num_nextn_predict_layers"  # DeepSeek-V3's (transformers' and SGLang's name for it)
@@ -190,7 +189,7 @@ class MtpHead:
         model.rope.ensure(batch.max_position)
         ops = model.ops if hidden.dtype == torch.float32 and hidden.device.type == "cpu" else None
         if ops is None:
-            x = linear(torch.cat([rms_norm(embed[batch.input_ids], w.enorm, eps), rms_norm(hidden, w.hnorm, eps)],
+            x = self.model.linear(torch.cat([rms_norm(embed[batch.input_ids], w.enorm, eps), rms_norm(hidden, w.hnorm, eps)],
                                  dim=-1), w.eh_proj)
             x = x + self._attention(rms_norm(x, b.input_norm, eps), batch)
             x = x + self._mlp(rms_norm(x, b.post_attention_norm, eps))
@@ -199,7 +198,7 @@ class MtpHead:
         # the same math; add_rms_norm(h, d, w) adds d into h in place and returns RMSNorm(h) (F.rms_norm
         # alone costs ~0.2 ms a call on a few rows here)
         e = ops.add_rms_norm(embed[batch.input_ids], None, w.enorm, eps)
-        x = linear(torch.cat([e, ops.add_rms_norm(hidden.contiguous(), None, w.hnorm, eps)], dim=-1), w.eh_proj)
+        x = self.model.linear(torch.cat([e, ops.add_rms_norm(hidden.contiguous(), None, w.hnorm, eps)], dim=-1), w.eh_proj)
         native = self._native_block(len(tokens))
         if native is not None:
             n = len(tokens)
@@ -224,15 +223,15 @@ class MtpHead:
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         b, cfg = self.w.block, self.cfg
         if b.router is not None:
-            weights, ids = route(linear(h, b.router), cfg.top_k, cfg.norm_topk_prob)
+            weights, ids = route(self.model.linear(h, b.router), cfg.top_k, cfg.norm_topk_prob)
             return moe_reference(h, weights.to(h.dtype), ids, b.w13, b.w2)
-        gate, up = linear(h, b.dense_w13).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, b.dense_w2)
+        gate, up = self.model.linear(h, b.dense_w13).chunk(2, dim=-1)
+        return self.model.linear(F.silu(gate) * up, b.dense_w2)
 
     def _attention(self, x: torch.Tensor, batch) -> torch.Tensor:
         cfg, b, model = self.cfg, self.w.block, self.model
         k_pool, v_pool = self.kv.k[0], self.kv.v[0]
-        qkv = linear(x, b.qkv_proj, b.qkv_bias)
+        qkv = self.model.linear(x, b.qkv_proj, b.qkv_bias)
         model.rope.ensure(batch.max_position)
         if model.ops is not None and model.fast_decode_attention and k_pool.dtype == torch.float32:
             out = model.ops.decode_attention_block(
@@ -241,7 +240,7 @@ class MtpHead:
                 batch.context_blocks, batch.context_lens, self.kv.block_size, model.scale, cfg.sliding_window or 0,
                 cfg.num_heads)
             self._count("cpp-block")
-            return linear(out, b.o_proj)
+            return self.model.linear(out, b.o_proj)
         from moebench.engine.model import RotaryEmbedding, rms_norm
 
         N, hd = x.shape[0], cfg.head_dim
@@ -259,7 +258,7 @@ class MtpHead:
         self._count("cpp-paged" if out is not None else "torch")
         if out is None:
             out = paged_decode_attention_reference(*args)
-        return linear(out.reshape(N, cfg.num_heads * hd), b.o_proj)
+        return self.model.linear(out.reshape(N, cfg.num_heads * hd), b.o_proj)
 
     def _count(self, backend: str) -> None:
         self.attention_backends[backend] = self.attention_backends.get(backend, 0) + 1

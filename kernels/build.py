@@ -454,15 +454,13 @@ def _worker_main() -> None:
 
 
 class LazyExtension:
-    """An extension built by `build()` on the first `get()`; None from then on where it failed.
+    """An extension built by `build()` on the first `get()`; None from then on where it failed (a
+    warning says so once, and which slower path runs instead). A bounded wait for another process's
+    build that runs out is an error (the build is busy, not broken); so is an interrupt. Which ops
+    use the extension is the overrides' choice (engine/overrides.py), made where each op runs."""
 
-    The environment variable `env` chooses: "auto" (build, warn once and fall back on failure),
-    `strict` (fail loudly), `off` (never build). A bounded wait for another process's build that
-    runs out is an error in every mode (the build is busy, not broken); so is an interrupt.
-    """
-
-    def __init__(self, what: str, env: str, strict: str, off: str, build: Callable, fallback: str):
-        self.what, self.env, self.strict, self.off = what, env, strict, off
+    def __init__(self, what: str, build: Callable, fallback: str):
+        self.what = what
         self.build, self.fallback = build, fallback
         self._lock = threading.Lock()
         self.reset()
@@ -472,33 +470,20 @@ class LazyExtension:
         self.tried = False
         self.failure: str | None = None
 
-    def mode(self) -> str:
-        mode = os.environ.get(self.env, "auto").strip().lower() or "auto"
-        if mode not in ("auto", self.strict, self.off):
-            raise ValueError(f"{self.env}={mode!r}: expected auto, {self.strict} or {self.off}")
-        return mode
-
     def get(self):
         if self.tried:
             return self.module
         with self._lock:
             if self.tried:
                 return self.module
-            mode = self.mode()
-            if mode == self.off:
-                self.failure = f"disabled by {self.env}={self.off}"
-            else:
-                try:
-                    self.module = self.build()
-                except BuildWaitTimeout:
-                    raise
-                except Exception as e:  # no compiler, no ninja, no AVX2, read-only cache...
-                    text = str(e).strip()
-                    self.failure = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
-                    if mode == self.strict:
-                        self.tried = True
-                        raise RuntimeError(f"moebench: cannot build {self.what}: {self.failure}") from e
-                    warnings.warn(f"moebench: {self.what} unavailable ({self.failure}); {self.fallback}",
-                                  RuntimeWarning, stacklevel=4)
+            try:
+                self.module = self.build()
+            except BuildWaitTimeout:
+                raise
+            except Exception as e:  # no compiler, no ninja, no AVX2, read-only cache...
+                text = str(e).strip()
+                self.failure = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+                warnings.warn(f"moebench: {self.what} unavailable ({self.failure}); {self.fallback}",
+                              RuntimeWarning, stacklevel=4)
             self.tried = True
             return self.module

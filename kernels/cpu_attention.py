@@ -18,14 +18,10 @@ from .cpu_moe import load_extension
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_reference", "decode_attention_backend"]
 
-DISABLE_ENV = "MOEBENCH_DECODE_ATTENTION"  # =torch keeps the gather + SDPA path
-
-
-def decode_attention_backend(device: str, dtype: torch.dtype) -> str:
-    """Which decode attention a model on `device` in `dtype` runs, for manifests."""
-    import os
-
-    usable = os.environ.get(DISABLE_ENV, "kernel") != "torch" and device == "cpu" and dtype == torch.float32
+def decode_attention_backend(device: str, dtype: torch.dtype, attention: str = "kernel") -> str:
+    """Which decode attention a model on `device` in `dtype` runs, for manifests (`attention`: the
+    overrides' choice, engine/overrides.py)."""
+    usable = attention != "torch" and device == "cpu" and dtype == torch.float32
     return "cpp-paged" if usable and load_extension() is not None else "torch-sdpa"
 
 

@@ -16,8 +16,9 @@ It applies to float32 x on the CPU with at most DENSE_MAX_ROWS rows (decode step
 bfloat16 weights whose rows are contiguous; anything else (prefill, CUDA, other dtypes, no
 extension) runs `F.linear`, which is faster for many rows (a bfloat16 weight with float32 rows is
 widened for it first: exact, a copy per call). The result equals `F.linear` to float32
-rounding, not bit for bit (the sums run in another order). `MOEBENCH_DENSE_KERNEL=torch` keeps
-`F.linear` everywhere (for A/B measurements); `dense_backends()` counts the calls each one ran.
+rounding, not bit for bit (the sums run in another order). The overrides' `dense=torch`
+(engine/overrides.py) has a model bind `torch_linear` instead, `F.linear` everywhere (for A/B
+measurements); `dense_backends()` counts the calls each one ran.
 
 int8 rows that carry their scale (--weights int8, docs/int8.md: `reference.unpack_int8_rows`) stream
 through the same kernel, which multiplies each row's sum by its scale; in torch (prefill rows) they run
@@ -30,19 +31,16 @@ registers, and counts what it streamed per weight dtype (`lm_head_stats`, activa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .cpu_moe import load_extension, loaded_extension
 
-__all__ = ["linear", "dense_backends", "dense_kernel_enabled", "pool_stats", "DENSE_MAX_ROWS",
-           "DISABLE_ENV", "weight_streams", "rows_stream", "lm_head", "lm_head_stats",
+__all__ = ["linear", "torch_linear", "torch_lm_head", "dense_backends", "dense_kernel_enabled", "pool_stats",
+           "DENSE_MAX_ROWS", "weight_streams", "rows_stream", "lm_head", "lm_head_stats",
            "lm_head_stats_torch", "head_streams", "weight_stats"]
 
-DISABLE_ENV = "MOEBENCH_DENSE_KERNEL"  # =torch: F.linear everywhere
 # Above this many rows a projection has enough arithmetic per weight for MKL's blocked GEMM
 # (prefill); the streaming kernel is for decode-sized batches.
 DENSE_MAX_ROWS = 32
@@ -53,8 +51,8 @@ _calls: dict[str, int] = {}
 
 
 def dense_kernel_enabled() -> bool:
-    """Whether decode projections may run in the extension (it is built and not switched off)."""
-    return os.environ.get(DISABLE_ENV, "kernel") != "torch" and load_extension() is not None
+    """Whether decode projections may run in the extension (it is built)."""
+    return load_extension() is not None
 
 
 def weight_streams(weight: Tensor) -> bool:
@@ -74,6 +72,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     streaming kernel on the step's thread pool."""
     if rows_stream(x) and weight_streams(weight) and dense_kernel_enabled():
         return load_extension().dense_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+    return torch_linear(x, weight, bias)
+
+
+def torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` in torch, whatever the rows (int8 rows with their scales through
+    the reference, a bfloat16 weight widened exactly): counted as a torch call."""
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     if weight.dtype == torch.int8:  # int8 rows with their scales (prefill rows, or no extension)
         from .reference import rows_linear_reference
@@ -110,6 +114,11 @@ def lm_head(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     upcast weight), counted here as torch calls by weight dtype."""
     if rows_stream(x) and head_streams(weight, scale) and dense_kernel_enabled():
         return load_extension().lm_head_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, scale)
+    return torch_lm_head(x, weight, scale)
+
+
+def torch_lm_head(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """`lm_head` in torch, whatever the rows: counted as a torch call by weight dtype."""
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     name = str(weight.dtype).replace("torch.", "")
     _torch_head_calls[name] = _torch_head_calls.get(name, 0) + 1
@@ -124,7 +133,7 @@ def lm_head_stats() -> dict:
     """LM-head projections so far in this process: {"kernel": {weight dtype: {"calls", "bytes"}}} as the
     extension counted them where they ran (bytes: the weights and row scales it streamed), and
     {"torch": {weight dtype: calls}} for those that ran in torch (prefill rows, no extension)."""
-    ext = load_extension() if dense_kernel_enabled() else None
+    ext = load_extension()
     kernel = {k: dict(v) for k, v in ext.lm_head_stats().items()} if ext is not None and hasattr(ext, "lm_head_stats") else {}
     return {"kernel": kernel, "torch": dict(_torch_head_calls)}
 

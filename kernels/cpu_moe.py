@@ -11,10 +11,9 @@ It is compiled at first use in each Python environment by `build.build_extension
 system C++ compiler and ninja; about 2 min 20 s on a 2-core machine, announced; cached per
 environment under ~/.cache/moebench/extensions afterwards, see docs/kernels.md "Building").
 If that fails, or the CPU lacks AVX2/FMA, `fused_moe_cpu` warns once and runs the same fused
-algorithm with grouped torch ops. `cpu_backend()` says which one runs.
-
-Environment: MOEBENCH_CPU_KERNEL = auto (default) | cpp (fail loudly if it cannot build) |
-torch (skip the extension).
+algorithm with grouped torch ops. `cpu_backend()` says which one runs. The overrides' `moe_op=torch`
+(engine/overrides.py) runs `fused_moe_cpu_torch` for the MoE op alone; the extension's other ops
+are not touched by it.
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ def _build():
     return build_extension(EXTENSION)
 
 
-_extension = LazyExtension("the CPU MoE kernel", "MOEBENCH_CPU_KERNEL", strict="cpp", off="torch",
-                           build=lambda: _build(), fallback="using the grouped torch fallback (same algorithm, slower)")
+_extension = LazyExtension("the CPU MoE kernel", build=lambda: _build(),
+                           fallback="using the grouped torch fallback (same algorithm, slower)")
 
 
 def load_extension():

@@ -17,8 +17,8 @@ offset into what it read. `kind` converts: COPY (same dtype), BF16_TO_F32, F16_T
 only runs); `close()` cancels what is queued and joins the workers. `reads` and `bytes_read` count
 the file reads done. `label` (the file) names the file in errors.
 
-Environment: MOEBENCH_EXPERT_LOADER = auto (default) | native (fail loudly if it cannot build) |
-python (the thread-pool fallback in `moebench.engine.store.expert_store`).
+The overrides' `expert_loader=python` (engine/overrides.py) keeps a store's loads on Python threads
+(the thread-pool path in `moebench.engine.store.expert_store`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def _build():
     return build_extension(EXTENSION)
 
 
-_extension = LazyExtension("the native expert loader", "MOEBENCH_EXPERT_LOADER", strict="native", off="python",
-                           build=lambda: _build(),
+_extension = LazyExtension("the native expert loader", build=lambda: _build(),
                            fallback="loads run on Python threads (same results, more GIL contention)")
 
 

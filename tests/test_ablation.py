@@ -37,7 +37,7 @@ def test_ablation_stops_when_an_optimization_leaves_no_evidence(model, data, tmp
     from moebench.engine.moe import NaiveMoe
 
     # a "fused" kernel that silently runs the naive loop: the most common pitfall
-    monkeypatch.setattr(llm_engine, "make_kernel", lambda name: NaiveMoe())
+    monkeypatch.setattr(llm_engine, "make_kernel", lambda name, overrides=None: NaiveMoe())
     monkeypatch.setattr(sys, "argv", ["moebench", "run", "--model", str(model), "--suite", "gsm8k", "--data", str(data),
                                       "--num-fewshot", "0", "--kernel", "fused", "--max-new-tokens", "4",
                                       "--batch-size", "2", "--out", str(tmp_path / "r")])

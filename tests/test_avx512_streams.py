@@ -19,9 +19,11 @@ import torch
 from moebench.kernels.cpu_moe import load_extension
 
 COMPUTE = r"""
-import sys, torch
+import os, sys, torch
+from moebench.engine.overrides import Overrides, apply_process_overrides
 from moebench.engine.quantize import pack_int8_rows, quantize_lm_head
 from moebench.kernels.cpu_moe import load_extension
+apply_process_overrides(Overrides.from_environment(os.environ))  # this script's entry: MOEBENCH_AVX512
 ext = load_extension()
 g = torch.Generator().manual_seed(0)
 out = {}

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from moebench.cli.app import main
+from moebench.engine.overrides import Overrides
 from tiny_bailing import make_tiny_bailing
 from tiny_models import make_tiny_checkpoint
 
@@ -44,6 +45,8 @@ def test_a_native_run_on_the_bundled_model(capsys, monkeypatch, tmp_path):
     path = trial["evidence"]["decode_path"]
     assert path["path"] == "native" and path["requested"] == "native"
     assert set(path["decode_steps"]) == {"native-layers"} and trial["activation_ok"]
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["runtime"]["overrides"] == Overrides().to_dict()  # read once at the entry, recorded
 
 
 def test_the_decode_path_axis_gets_its_own_speedup_and_evidence(capsys, monkeypatch, tmp_path):

@@ -169,19 +169,22 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch):
         cm.fused_moe_cpu(x, weights, ids, w13, w2)
 
 
-def test_backend_environment_switch(monkeypatch):
+def test_the_moe_op_override_runs_the_torch_op_and_nothing_else(monkeypatch):
+    """moe_op=torch computes the fused MoE op in grouped torch ops, as its evidence says, and is
+    accepted by the activation check; the extension's other ops are not its business."""
     import moebench.kernels.cpu_moe as cm
+    from moebench.engine.moe import kernel_activation_errors, make_kernel
+    from moebench.engine.overrides import Overrides
 
-    def broken():
-        raise RuntimeError("no compiler here")
-
-    _reset_loader(monkeypatch, cm, broken)
-    monkeypatch.setenv("MOEBENCH_CPU_KERNEL", "cpp")
-    with pytest.raises(RuntimeError, match="cannot build"):
-        cm.load_extension()
-    _reset_loader(monkeypatch, cm, broken)
-    monkeypatch.setenv("MOEBENCH_CPU_KERNEL", "torch")
-    assert cm.cpu_backend() == cm.BACKEND_TORCH  # no build attempted, no warning
+    x, weights, ids, w13, w2 = make_case(3, 7, 2, 16, 8, seed=1)
+    kernel = make_kernel("fused", Overrides(moe_op="torch"))
+    built = []
+    monkeypatch.setattr(cm, "load_extension", lambda: built.append(1))
+    torch.testing.assert_close(kernel(x, weights, ids, w13, w2), moe_reference(x, weights, ids, w13, w2))
+    assert built == [] and kernel.evidence()["backends"] == {cm.BACKEND_TORCH: 1}
+    assert kernel_activation_errors("fused", kernel.evidence()) == []
+    default = make_kernel("fused").evidence()
+    assert cm.BACKEND_TORCH not in default["allowed_backends"]
 
 
 @pytest.mark.parametrize("k", [2, 4])

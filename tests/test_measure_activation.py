@@ -112,14 +112,13 @@ def test_decode_attention_names_its_backend_and_a_fallback_fails(monkeypatch):
 
     import moebench.engine.model as model_mod
     from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+    from moebench.engine.overrides import Overrides
     from moebench.measuring.run import bundled_model_path
 
-    monkeypatch.delenv("MOEBENCH_ALLOW_FALLBACK", raising=False)
-    monkeypatch.delenv("MOEBENCH_DECODE_ATTENTION", raising=False)
     ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32)
 
-    def generate():
-        rt = RuntimeConfig(batch_size=2, max_new_tokens=4)
+    def generate(overrides=Overrides()):
+        rt = RuntimeConfig(batch_size=2, max_new_tokens=4, overrides=overrides)
         return Engine(ckpt, None, rt).generate([Request("a", ""), Request("b", "")], prompt_ids=[[5, 6, 7], [8, 9]])
 
     result = generate()
@@ -131,8 +130,7 @@ def test_decode_attention_names_its_backend_and_a_fallback_fails(monkeypatch):
     result = generate()
     assert set(result.evidence["attention"]) == {"torch-sdpa"}
     assert any("decode attention fell back to torch SDPA" in e for e in result.activation_errors)
-    monkeypatch.setenv("MOEBENCH_DECODE_ATTENTION", "torch")  # chosen by the user: a result
-    assert generate().activation_errors == []
+    assert generate(Overrides(attention="torch")).activation_errors == []  # chosen by the user: a result
 
 
 def test_both_kernels_get_the_same_slots_for_a_byte_budget(tmp_path):

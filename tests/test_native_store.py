@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
-from moebench.engine.config import StoreTuning
+from moebench.engine.overrides import Overrides
 from moebench.engine.store.expert_store import PooledStore
 from moebench.engine.store.factory import make_store_and_prefetcher
 from moebench.engine.store.native import NativePooledStore
@@ -216,19 +216,18 @@ def test_native_store_outputs_identical_to_resident(ckpt, tier, prefetch, kernel
 
 
 def test_store_choice(ckpt, monkeypatch, tmp_path):
-    monkeypatch.setenv("MOEBENCH_EXPERT_STORE", "python")
-    store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="host"))
+    store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="host",
+                                                             overrides=Overrides(expert_store="python")))
     assert type(store) is PooledStore and store.evidence()["store"] == "pooled"
     store.close()
-    # the runtime's own choice wins over the environment
     store, _ = make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="host",
-                                                             store=StoreTuning(expert_store="native")))
+                                                             overrides=Overrides(expert_store="native")))
     assert isinstance(store, NativePooledStore)
     store.close()
-    monkeypatch.setenv("MOEBENCH_EXPERT_STORE", "fast")
-    with pytest.raises(MoebenchError, match="expected one of auto, native, python"):
-        make_store_and_prefetcher(ckpt, RuntimeConfig(expert_budget=0.5, offload_tier="host"))
-    monkeypatch.delenv("MOEBENCH_EXPERT_STORE")
+    # the variable feeds the override where a command starts; a bad value is one line there
+    assert Overrides.from_environment({"MOEBENCH_EXPERT_STORE": "python"}).expert_store == "python"
+    with pytest.raises(MoebenchError, match="MOEBENCH_EXPERT_STORE=fast: choose from auto, native, python"):
+        Overrides.from_environment({"MOEBENCH_EXPERT_STORE": "fast"})
     # a tier that cannot describe its loads natively: the Python store, loudly; an error where asked for
     sharded = sharded_copy(ckpt, tmp_path)
     with pytest.warns(RuntimeWarning, match="native expert store cannot run"):
@@ -237,7 +236,7 @@ def test_store_choice(ckpt, monkeypatch, tmp_path):
     store.close()
     with pytest.raises(MoebenchError, match="'native' cannot run: the disk tier cannot describe"):
         make_store_and_prefetcher(sharded, RuntimeConfig(expert_budget=0.75, offload_tier="disk",
-                                                         store=StoreTuning(expert_store="native")))
+                                                         overrides=Overrides(expert_store="native")))
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -14,6 +14,7 @@ from moebench.engine import model as model_mod
 from moebench.engine.decode_path import decide as decide_decode_path
 from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import KVCache
+from moebench.engine.overrides import Overrides
 from moebench.engine.model import MoeTransformer, RotaryEmbedding, build_forward_batch, cpu_step_ops, rms_norm
 from moebench.engine.moe import MoeBlock, make_kernel
 from moebench.engine.routing_stats import RoutingStats
@@ -163,8 +164,7 @@ def _forward_logits(ckpt, use_ops: bool, monkeypatch, chains: bool = True, calls
     """Logits of a prefill of three prompts, a mixed step (one prompt more) and decode steps."""
     if not use_ops:
         monkeypatch.setattr(model_mod, "cpu_step_ops", lambda: None)
-    monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1" if chains else "0")
-    model = MoeTransformer(ckpt, None)
+    model = MoeTransformer(ckpt, None, overrides=Overrides(chains=chains))
     monkeypatch.undo()
     if not use_ops:  # the router's top-k as where the extension is not built: the torch reference
         monkeypatch.setattr(cpu_routing, "load_extension", lambda: None)
@@ -261,7 +261,6 @@ def test_decode_layers_checks_the_weights_when_built(tmp_path, ops, monkeypatch)
     """DecodeLayers takes the weights once and checks them then (a step only reads them): a router
     that does not match the hidden size is refused at construction, in one line."""
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, "qwen3_e6_k2_norm"))
-    monkeypatch.setenv(model_mod.DECODE_CHAINS_ENV, "1")
     model = MoeTransformer(ckpt, None)
     cfg = ckpt.config
     model.moe_block = MoeBlock(model.route, make_kernel("fused"), ResidentStore(ckpt), NoPrefetch(),

@@ -115,6 +115,7 @@ class PooledStore(ExpertStore):
         cfg = ckpt.config
         self.cfg, self.tier, self.slots = cfg, tier, slots
         self.budget = runtime.expert_budget
+        self.overrides = runtime.overrides
         self.device = runtime.device
         self.cuda = runtime.device == "cuda"
         dtype = dtype or runtime.torch_dtype
@@ -516,6 +517,7 @@ class NoPrefetch:
     """prefetch=off: every miss is loaded when its layer asks for it (by the store's demand path)."""
 
     name = "off"
+    active = False  # hooks that do nothing: the MoE block does not call them
 
     def __init__(self, store=None):
         self.store = store
@@ -539,12 +541,12 @@ class NoPrefetch:
 def store_activation_errors(store) -> list[str]:
     """A CPU store whose loads ran on Python threads because the native loader did not build fell
     back (`native_loader: false` in the evidence); that is an error unless the user chose it
-    (MOEBENCH_EXPERT_LOADER=python) or accepts fallbacks (MOEBENCH_ALLOW_FALLBACK=1)."""
-    from moebench.engine.fallbacks import fallback_allowed
+    (the expert_loader override) or accepts fallbacks (the allow_fallback override)."""
 
     if not isinstance(store, PooledStore) or store.cuda or store.native or not store.workers:
         return []
-    if os.environ.get("MOEBENCH_EXPERT_LOADER") == "python" or fallback_allowed():
+    overrides = store.overrides
+    if overrides.expert_loader != "native" or overrides.allow_fallback:
         return []
     from moebench.kernels.expert_loader import load_extension
 

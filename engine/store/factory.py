@@ -131,7 +131,8 @@ def make_store_and_prefetcher(ckpt, runtime):
         disk = tier_name == "disk"
         readers = runtime.store.readers
         workers = readers if disk else runtime.store.host_workers
-        tier = make_tier(tier_name, ckpt, runtime.device, readers)
+        tier = make_tier(tier_name, ckpt, runtime.device, readers,
+                         native_loads=runtime.overrides.expert_loader == "native")
         tier.substituted = substituted
         from moebench.engine.store.native import pick_store_class
 

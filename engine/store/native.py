@@ -8,21 +8,20 @@ fetch whose experts are all resident is one C++ call, and a miss is described an
 counters and weights (tests/test_native_store.py).
 
 Where it runs: on CPU, when the native loader builds and the tier can describe its loads as plain
-integers (`ExpertTier.describe`). `MOEBENCH_EXPERT_STORE` or `runtime.store.expert_store`
-picks it: auto (default; the Python store, with a warning, where the native one cannot run),
+integers (`ExpertTier.describe`). The expert_store override (engine/overrides.py) picks it: auto (default; the Python store, with a warning, where the native one cannot run),
 native (an error where it cannot), python.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 from moebench.engine.store.expert_store import PooledStore
 from moebench.errors import MoebenchError
 
-STORE_ENV = "MOEBENCH_EXPERT_STORE"
-CHOICES = ("auto", "native", "python")
+from moebench.engine.overrides import VARIABLES as OVERRIDE_VARIABLES
+
+STORE_ENV = OVERRIDE_VARIABLES["expert_store"]
 
 # Row addresses handed to `tier.describe` to learn where each part of a load lands: any destination
 # at or past A is in the w13 row, past B in the w2 row (both far beyond any offset inside a row).
@@ -30,12 +29,8 @@ _W13_MARK, _W2_MARK = 1 << 46, 1 << 47
 
 
 def store_choice(runtime) -> str:
-    """auto, native or python: `runtime.store.expert_store`, else MOEBENCH_EXPERT_STORE, else auto."""
-    choice = str(runtime.store.expert_store or os.environ.get(STORE_ENV) or "auto").strip().lower()
-    if choice not in CHOICES:
-        raise MoebenchError(f"expert store '{choice}': expected one of {', '.join(CHOICES)} "
-                            f"(runtime.store.expert_store or {STORE_ENV})")
-    return choice
+    """auto, native or python: the expert_store override (engine/overrides.py checked the value)."""
+    return runtime.overrides.expert_store
 
 
 def native_store_unavailable(runtime, tier, dtype) -> str | None:
@@ -43,11 +38,13 @@ def native_store_unavailable(runtime, tier, dtype) -> str | None:
     native loads (`prepare_native`) as the store would."""
     if runtime.device != "cpu":
         return f"the native store runs on CPU, not {runtime.device}"
+    if runtime.overrides.expert_loader != "native":
+        return f"the expert_loader override ({OVERRIDE_VARIABLES['expert_loader']}=python) keeps loads in Python"
     from moebench.kernels.expert_loader import load_extension
 
     ext = load_extension()
     if ext is None:
-        return "the native loader did not build (or MOEBENCH_EXPERT_LOADER=python)"
+        return "the native loader did not build"
     if not hasattr(ext, "Store"):
         return "the native loader's module has no Store (an old build)"
     if not tier.prepare_native(dtype):
@@ -66,7 +63,7 @@ def pick_store_class(runtime, tier, dtype) -> type[PooledStore]:
         return NativePooledStore
     if choice == "native":
         raise MoebenchError(f"expert store 'native' cannot run: {why_not}")
-    if runtime.device == "cpu" and os.environ.get("MOEBENCH_EXPERT_LOADER") != "python":
+    if runtime.device == "cpu" and runtime.overrides.expert_loader == "native":
         warnings.warn(f"moebench: the native expert store cannot run ({why_not}); the Python store runs instead "
                       f"(same results, more per-call overhead); set {STORE_ENV}=python to choose it",
                       RuntimeWarning, stacklevel=3)

@@ -42,6 +42,7 @@ class ExpertTier:
         self.loaders = []  # native loaders made by `native_loader`, for counters and close
         self.sync = None  # a thread-less native loader once `prepare_native` succeeded
         self.substituted = None  # why this tier stands in for the one asked for (in the evidence)
+        self.native_loads = True  # False: loads on Python threads (the expert_loader override)
 
     def load(self, layer: int, expert: int, w13_dst: torch.Tensor, w2_dst: torch.Tensor) -> int:
         raise NotImplementedError
@@ -51,7 +52,11 @@ class ExpertTier:
     # cannot describe (CUDA, an odd layout), keeps its Python `load`.
 
     def prepare_native(self, dst_dtype: torch.dtype) -> bool:
-        """Get ready to describe loads into slots of `dst_dtype`; False where this tier cannot."""
+        """Get ready to describe loads into slots of `dst_dtype`; False where this tier cannot, or the
+        expert_loader override keeps its loads on Python threads (`native_loads`)."""
+        return self.native_loads and self._prepare_native(dst_dtype)
+
+    def _prepare_native(self, dst_dtype: torch.dtype) -> bool:
         return False
 
     def describe(self, layer: int, expert: int, w13_addr: int, w2_addr: int) -> tuple:
@@ -169,7 +174,7 @@ class HostTier(ExpertTier):
         w13, w2 = next(iter(self.experts.values()))
         self.expert_bytes = w13[0].nbytes + w2[0].nbytes
 
-    def prepare_native(self, dst_dtype):
+    def _prepare_native(self, dst_dtype):
         from moebench.kernels.expert_loader import conversion
 
         if self.cuda or not all(w.is_contiguous() for pair in self.experts.values() for w in pair):
@@ -283,7 +288,7 @@ class DiskTier(ExpertTier):
         self.requests = 0
         self.bytes_read = 0
 
-    def prepare_native(self, dst_dtype):
+    def _prepare_native(self, dst_dtype):
         """One read per expert (gate, up and down adjacent, the usual layout), described once: the file
         range rounded out for O_DIRECT and where each part lands in the slot."""
         from moebench.kernels.expert_loader import conversion
@@ -405,9 +410,9 @@ def disk_read_mode(ckpt) -> str | None:
     return "o_direct" if DiskTier._direct_works(first) else "fadvise"
 
 
-def make_tier(name: str, ckpt, device: str, readers: int = 4) -> ExpertTier:
-    if name == "host":
-        return HostTier(ckpt, device)
-    if name == "disk":
-        return DiskTier(ckpt, readers)
-    raise MoebenchError(f"unknown --offload-tier '{name}' (choose host or disk)")
+def make_tier(name: str, ckpt, device: str, readers: int = 4, native_loads: bool = True) -> ExpertTier:
+    if name not in ("host", "disk"):
+        raise MoebenchError(f"unknown --offload-tier '{name}' (choose host or disk)")
+    tier = HostTier(ckpt, device) if name == "host" else DiskTier(ckpt, readers)
+    tier.native_loads = native_loads
+    return tier

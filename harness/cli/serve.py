@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -63,10 +64,13 @@ def serve_command(
     bound = sock.getsockname()[1]
     from moebench.engine.store.factory import resolve_tier
 
+    from moebench.engine.overrides import Overrides
+
     runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
                             batch_size=batch_size, max_new_tokens=max_new_tokens, admission=admission,
                             expert_budget=_parse_budget(expert_budget or "1.0"),
-                            offload_tier=resolve_tier(offload_tier, device), weights=weights)
+                            offload_tier=resolve_tier(offload_tier, device), weights=weights,
+                            overrides=Overrides.from_environment(os.environ))  # read once, here
     if threads is None and device == "cpu":
         threads = 1
     if max_model_len is not None and max_model_len < 2:

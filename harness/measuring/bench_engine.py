@@ -52,6 +52,7 @@ from rich.console import Console
 
 from moebench.measuring.bench_engine_table import interval_text, print_table  # noqa: F401 (interval_text: pool_bench_engine's)
 from moebench.backends.batched_bench import LlamaBatchedBenchSide
+from moebench.engine.overrides import Overrides
 from moebench.errors import MoebenchError
 from moebench.measuring.bench_models import DEFAULT_SHAPE, write_random_model
 
@@ -76,8 +77,9 @@ class BundledSide:
     """The bundled runtime in this process (with an LM head in `lm_head` precision)."""
 
     def __init__(self, ckpt, kernel: str, scheduler: str, decode_path: str = "native", lm_head: str = "f32",
-                 name: str = "moebench", weights: str = "f32"):
+                 name: str = "moebench", weights: str = "f32", overrides=None):
         self.ckpt, self.kernel, self.scheduler, self.decode_path = ckpt, kernel, scheduler, decode_path
+        self.overrides = overrides or Overrides()  # read once by the command (engine/overrides.py)
         self.lm_head, self.name, self.weights = lm_head, name, weights
         self.last_steps: list[dict] = []
         self.last_evidence: dict = {}
@@ -91,7 +93,8 @@ class BundledSide:
         engine = Engine(self.ckpt, None, RuntimeConfig(kernel=self.kernel, scheduler=self.scheduler,
                                                        decode_path=self.decode_path,
                                                        batch_size=len(prompts), max_new_tokens=new_tokens,
-                                                       lm_head=self.lm_head, weights=self.weights))
+                                                       lm_head=self.lm_head, weights=self.weights,
+                                                       overrides=self.overrides))
         reqs = [Request(f"r{i}", "", new_tokens) for i in range(len(prompts))]
         collect_garbage_before_timing()
         start = time.perf_counter()
@@ -421,7 +424,8 @@ def bench_engine(
                 if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
                     write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
         # experts as the store holds them on the CPU (a bfloat16 checkpoint's stay bfloat16), as `run` loads
-        ckpt = load_checkpoint(path, experts_in_checkpoint_dtype=True)
+        overrides = Overrides.from_environment(os.environ)  # read once, here
+        ckpt = load_checkpoint(path, experts_in_checkpoint_dtype=True, overrides=overrides)
         held = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(ckpt.checkpoint_dtype)
         if held is None or (dtype is not None and dtype != held):
             raise MoebenchError(f"--model {path}: the checkpoint's weights are {ckpt.checkpoint_dtype}, not --dtype "
@@ -441,7 +445,7 @@ def bench_engine(
         if vs == "moebench":  # the same runtime with the checkpoint's own (float32) LM head
             del hf
             gc.collect()
-            others = [BundledSide(ckpt, kernel, scheduler, decode_path, "f32",
+            others = [BundledSide(ckpt, kernel, scheduler, decode_path, "f32", overrides=overrides,
                                   name="moebench f32 head" if weights == "f32" else f"moebench {dtype}")]
         elif vs == "llama.cpp":
             del hf
@@ -460,7 +464,7 @@ def bench_engine(
             their_weights = float32_weight_bytes(ckpt)
         server = next((o for o in others if isinstance(o, LlamaServerSide)), None)
         batched_bench = next((o for o in others if isinstance(o, LlamaBatchedBenchSide)), None)
-        bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head, weights=weights,
+        bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head, weights=weights, overrides=overrides,
                               name="moebench" + (f" {weights}" if weights != "f32" else "")
                               + (f" {lm_head} head" if lm_head != "f32" else ""))
 

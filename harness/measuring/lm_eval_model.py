@@ -56,6 +56,7 @@ class MoebenchLM(LM):
         import torch
 
         from moebench.engine import Engine, RuntimeConfig
+        from moebench.engine.overrides import Overrides
         from moebench.measuring.run import _load_model, _parse_budget, bundled_model_path
 
         if unused:
@@ -65,7 +66,8 @@ class MoebenchLM(LM):
         self.runtime = RuntimeConfig(kernel=kernel, scheduler=scheduler, prefetch=prefetch, device=device,
                                      batch_size=int(batch_size), max_new_tokens=int(max_gen_toks),
                                      admission=admission, expert_budget=_parse_budget(str(expert_budget)),
-                                     offload_tier=offload_tier, weights=weights)
+                                     offload_tier=offload_tier, weights=weights,
+                                     overrides=Overrides.from_environment(os.environ))  # read once, here
         if threads:
             torch.set_num_threads(int(threads))
         self.model_path = Path(model) if model else bundled_model_path()

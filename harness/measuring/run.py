@@ -85,6 +85,11 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
 
     http = args.get("engine", "bundled") != "bundled"
     if not http:  # fail on a bad switch before claiming a folder or loading anything
+        from moebench.engine.overrides import Overrides
+
+        # the overrides, read once here; a resumed run keeps the ones its manifest recorded
+        recorded = ((manifest or {}).get("runtime") or {}).get("overrides")
+        overrides = Overrides(**recorded) if recorded else Overrides.from_environment(os.environ)
         configs = _configs(args)
         threads = args.get("threads")
         if threads is None and args["device"] == "cpu":
@@ -101,7 +106,7 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
             decode_path=_run_decode_path(args),
             # with --ablate the speculative axis's points set it themselves (ablation.runtime_for)
             speculative="off" if args["ablate"] else args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
-            spec_max_batch=args.get("spec_max_batch"),
+            spec_max_batch=args.get("spec_max_batch"), overrides=overrides,
         )
         base_runtime = _one_tier_for_every_config(base_runtime, configs)
         _check_decode_paths(args, base_runtime, configs)
@@ -159,7 +164,7 @@ def _check_decode_paths(args: dict, base_runtime, configs) -> None:
     from moebench.engine.families import parse_model_config
 
     runtimes = [(cfg, _runtime_for(base_runtime, cfg)) for cfg in configs]
-    model_path = Path(args["model"]) if args["model"] else bundled_model_path()
+    model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
     if not (model_path / "config.json").is_file():
         return  # the loader, later, says what is wrong with the path
     model_cfg = parse_model_config(model_path / "config.json")
@@ -293,6 +298,9 @@ def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, thre
 
         torch.set_num_threads(threads)
     model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
+    from moebench.engine.overrides import apply_process_overrides
+
+    apply_process_overrides(base_runtime.overrides, extension=base_runtime.device == "cpu")  # before the weights load
     ckpt, tokenizer = _load_model(model_path, base_runtime)
 
     if manifest is None:
@@ -440,7 +448,7 @@ def _load_model(path: Path, runtime):
     offloading = runtime.expert_budget not in (1, 1.0)
     ckpt = load_checkpoint(path, device=runtime.device, dtype=runtime.torch_dtype,
                            experts_in_checkpoint_dtype=offloading or runtime.device == "cpu",
-                           load_experts=not (offloading and runtime.offload_tier == "disk"))
+                           load_experts=not (offloading and runtime.offload_tier == "disk"), overrides=runtime.overrides)
     return ckpt, load_tokenizer(path)
 
 
@@ -476,7 +484,9 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
         "huge_page_bytes": huge_page_bytes(),
         # which implementations run (a compiled kernel, or the torch fallback)
         "fused_moe_backend": fused_backend(runtime.device),
-        "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype),
+        "decode_attention": decode_attention_backend(runtime.device, runtime.torch_dtype, runtime.overrides.attention),
+        # every override (engine/overrides.py), read once when the run started; a resume keeps them
+        "overrides": runtime.overrides.to_dict(),
         "sampling": _sampling_record(args),
         # the run's speculative decoding, or the speculative axis's (its configs name their method)
         "speculative": {**spec_settings(replace(runtime, speculative=axis[0]) if axis else runtime).to_dict(),

@@ -191,9 +191,10 @@ class EngineCore:
                         "kv_block_size": rt.kv_block_size, "kv_capacity_tokens": session.kv_capacity_tokens,
                         "max_model_len": self.max_model_len, "max_queue": self.options.max_queue,
                         "batch_window_ms": self.options.batch_window_s * 1000,
-                        "engine_process": os.getpid(), "torch_threads": _torch_threads()},
+                        "engine_process": os.getpid(), "torch_threads": _torch_threads(),
+                        "overrides": rt.overrides.to_dict()},  # read once by `moebench serve` (engine/overrides.py)
             "backends": {"fused_moe": fused_backend(rt.device),
-                         "decode_attention": decode_attention_backend(rt.device, rt.torch_dtype)},
+                         "decode_attention": decode_attention_backend(rt.device, rt.torch_dtype, rt.overrides.attention)},
             "evidence": ev,
             # judged over everything served so far; a switch with no evidence yet shows here
             "activation_errors": session.activation_errors(ev, session.num_requests),
@@ -234,6 +235,9 @@ def core_main(conn, options: CoreOptions, parent: int, close_fds: tuple[int, ...
 
         if options.threads:
             torch.set_num_threads(options.threads)
+        from moebench.engine.overrides import apply_process_overrides
+
+        apply_process_overrides(options.runtime.overrides, extension=options.runtime.device == "cpu")  # before the weights
         ckpt, tokenizer = _load_model(options.model_path, options.runtime)
         engine = Engine(ckpt, tokenizer, options.runtime)
         context = options.max_model_len or ckpt.config.max_position_embeddings
