@@ -135,8 +135,8 @@ SCHEDULERS = ("static", "continuous")
 PREFETCHERS = ("off", "lookahead")
 DECODE_PATHS = ("auto", "native", "chained", "eager")  # engine/decode_path.py CHOICES
 LM_HEADS = ("f32", "bf16", "int8", "fp8")  # the LM head's weight precision (engine/quantize.py); approximate
-# the other streamed weights' precision (--weights; engine/quantize.py: weights_in); int8 is approximate
-WEIGHT_PRECISIONS = ("f32", "int8")
+# the other streamed weights' precision (--weights; engine/quantize.py: weights_in); int8 and int4 are approximate
+WEIGHT_PRECISIONS = ("f32", "int8", "int4")
 
 
 @dataclass(frozen=True)

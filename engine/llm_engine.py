@@ -268,10 +268,11 @@ class Engine:
             # experts in the dtype the store holds them in (bfloat16 rows of a bfloat16 checkpoint on the CPU)
             expert_dtype = store_layout(self.ckpt, self.runtime)[0]
             per_expert = cfg.expert_param_count * torch.empty(0, dtype=expert_dtype).element_size()
-            if expert_dtype == torch.int8:  # each of an expert's rows carries its scale (--weights int8)
-                from moebench.engine.quantize import PACKED_EXTRA
+            if expert_dtype in (torch.int8, torch.uint8):  # rows as held, with their scales (--weights int8, int4)
+                from moebench.kernels.reference import stored_width
 
-                per_expert += PACKED_EXTRA * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+                H, I = cfg.hidden_size, cfg.moe_intermediate_size
+                per_expert = 2 * I * stored_width(H, expert_dtype) + H * stored_width(I, expert_dtype)
             moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             other = non_expert_bytes_per_step(self.ckpt, elt)  # int8 attention matrices as held (families.py)
             if self.runtime.lm_head != "f32":  # the head read in its own precision (--lm-head)

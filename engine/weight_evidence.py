@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 # dtype names as the kernels report them (kernels/csrc/dense_cpu.cpp), per --weights precision
-STREAMED = {"int8": "int8"}
+STREAMED = {"int8": "int8", "int4": "int4"}
 FLOAT_DTYPES = ("float32", "bfloat16")
 
 
@@ -51,7 +51,9 @@ class WeightsEvidence:
 
 
 def _dtype(w: torch.Tensor | None) -> str | None:
-    return str(w.dtype).replace("torch.", "") if w is not None else None
+    from moebench.engine.store.base import dtype_name  # int4 rows are held as uint8
+
+    return dtype_name(w.dtype) if w is not None else None
 
 
 def weights_errors(evidence: dict | None, experts_dtype: str | None = None) -> list[str]:
@@ -78,7 +80,7 @@ def weights_errors(evidence: dict | None, experts_dtype: str | None = None) -> l
     dense, in_torch = kernel.get("dense") or {}, (evidence.get("torch") or {}).get(want, 0)
     if dense and want not in dense:
         errors.append(f"--weights {precision}: the dense kernel streamed {', '.join(sorted(dense))} weights and never "
-                      f"{want} (int8 calls in torch: {in_torch})")
+                      f"{want} ({want} calls in torch: {in_torch})")
     elif not dense and not in_torch:
         errors.append(f"--weights {precision}: no projection ran with {want} weights")
     return errors

@@ -79,10 +79,15 @@ def torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     """`F.linear(x, weight, bias)` in torch, whatever the rows (int8 rows with their scales through
     the reference, a bfloat16 weight widened exactly): counted as a torch call."""
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
-    if weight.dtype == torch.int8:  # int8 rows with their scales (prefill rows, or no extension)
+    if weight.dtype in (torch.int8, torch.uint8):  # int8 or int4 rows with their scales (prefill rows, or no kernel)
         from .reference import rows_linear_reference
 
-        _torch_weight_calls["int8"] = _torch_weight_calls.get("int8", 0) + 1
+        name = "int8" if weight.dtype == torch.int8 else "int4"
+        if name == "int4" and rows_stream(x):  # a decode step's rows that no C++ int4 kernel streamed
+            from .int4_torch import warn_slow_path
+
+            warn_slow_path("a dense projection")
+        _torch_weight_calls[name] = _torch_weight_calls.get(name, 0) + 1
         out = rows_linear_reference(x, weight)
         return out + bias if bias is not None else out
     if weight.dtype != x.dtype:  # a bfloat16 checkpoint's matrix, float32 rows (prefill): widened, exactly

@@ -58,10 +58,14 @@ def test_html_is_self_contained_and_escaped(report_dir):
 def test_markdown_content(report_dir):
     md = (report_dir / "report.md").read_text()
     assert "| metric | baseline (baseline) | optimized (all) | change |" in md
-    for row in ("Decode tokens/s", "Accuracy (correct / total)", "McNemar exact p", "Mean latency",
+    for row in ("Decode tokens/s", "Accuracy (correct / total; change: paired difference, all trials)",
+                "McNemar exact p, trial 0", "Mean latency",
                 "P50 latency", "P95 latency", "Mean TTFT", "Output length P50 / P95", "Errors / truncations"):
         assert f"| {row}" in md
     assert "**speedup 2.20x" in md
+    # the change column prints the paired speedup, the estimator of the verdict and the gate
+    decode_row = next(line for line in md.splitlines() if line.startswith("| Decode tokens/s"))
+    assert "+120% (speedup 2.20x" in decode_row
     assert "What this run proves" in md and "Examples of differing outputs" in md
     # "all" changed one answer of 40 (an exact config, so no shortcut): too few items to judge
     assert "inconclusive: difference" in md and "reaches below the -1-point margin" in md

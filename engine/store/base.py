@@ -61,4 +61,6 @@ def memory_evidence(parts: dict, rss) -> dict:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    """torch's name of the dtype, but "int4" for uint8: the only uint8 rows held are int4 (Q4_0) blocks
+    (--weights int4, kernels/reference.py)."""
+    return "int4" if dtype == torch.uint8 else str(dtype).replace("torch.", "")

@@ -34,7 +34,7 @@ from moebench.engine import memory
 from moebench.engine.store.resident import ResidentStore, read_all_experts  # noqa: F401 (imported from here)
 from moebench.engine.store.base import STEP_KEYS, Counters, ExpertStore, dtype_name, host_ids, memory_evidence  # noqa: F401
 from moebench.errors import MoebenchError
-from moebench.kernels.reference import PACKED_EXTRA
+from moebench.kernels.reference import stored_width
 
 
 
@@ -121,9 +121,10 @@ class PooledStore(ExpertStore):
         dtype = dtype or runtime.torch_dtype
         self.dtype = dtype
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-        # int8 rows carry their scale (--weights int8): 8 bytes more per row (engine/quantize.py)
-        extra = PACKED_EXTRA if dtype == torch.int8 else 0
-        self.expert_pool_bytes = (2 * inter * (hidden + extra) + hidden * (inter + extra)) * torch.empty(0, dtype=dtype).element_size()
+        # int8 rows carry their scale (--weights int8): 8 bytes more per row; int4 rows are Q4_0 blocks
+        # (--weights int4): 18 bytes per 32 values (kernels/reference.py: stored_width)
+        w13_width, w2_width = stored_width(hidden, dtype), stored_width(inter, dtype)
+        self.expert_pool_bytes = (2 * inter * w13_width + hidden * w2_width) * torch.empty(0, dtype=dtype).element_size()
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         # The budget holds the read buffers too (one per thread that reads from the tier: the loader
         # workers, the demand readers, the model's thread): their bytes are rows the pool does not get.
@@ -141,8 +142,8 @@ class PooledStore(ExpertStore):
                 + smallest_budget_note(cfg.num_experts, len(moe), len(moe) * slots - self.rows,
                                        self.expert_pool_bytes))
         self.quota = self.rows // len(moe)  # each layer's share (see _claim)
-        self.w13 = memory.empty((self.rows, 2 * inter, hidden + extra), dtype, runtime.device)
-        self.w2 = memory.empty((self.rows, hidden, inter + extra), dtype, runtime.device)
+        self.w13 = memory.empty((self.rows, 2 * inter, w13_width), dtype, runtime.device)
+        self.w2 = memory.empty((self.rows, hidden, w2_width), dtype, runtime.device)
         self.pools: dict[int, _Pool] = {}
         for p, i in enumerate(moe):
             pool = _Pool(i, cfg.num_experts)

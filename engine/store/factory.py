@@ -98,7 +98,7 @@ def expert_store_dtype(stored: torch.dtype, compute: torch.dtype, device: str) -
     compute in bfloat16: every kernel gets the compute dtype then."""
     from moebench.kernels.cpu_moe import BACKEND_CPP, cpu_backend
 
-    if stored == torch.int8:  # int8 rows with their scales (--weights int8): every kernel reads them
+    if stored in (torch.int8, torch.uint8):  # int8 or int4 rows with their scales (--weights): every kernel reads them
         return stored
     widen = device == "cpu" and compute == torch.float32 and stored == torch.bfloat16
     return stored if widen and cpu_backend() == BACKEND_CPP else compute

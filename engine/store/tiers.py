@@ -128,8 +128,8 @@ _EXPERT_FILE_DTYPES: dict[int, torch.dtype] = {}
 def expert_file_dtype(ckpt) -> torch.dtype:
     """The dtype routed experts are stored in (the header of the file holding the first one; int8 for
     a checkpoint whose experts were packed in memory by --weights int8, engine/quantize.py)."""
-    if getattr(ckpt, "weights", "f32") == "int8":
-        return torch.int8
+    if getattr(ckpt, "weights", "f32") in ("int8", "int4"):  # int4: uint8 Q4_0 blocks (docs/int4.md)
+        return torch.int8 if ckpt.weights == "int8" else torch.uint8
     if not ckpt.expert_sources:
         return ckpt.checkpoint_dtype
     key = id(ckpt)

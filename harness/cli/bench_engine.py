@@ -24,7 +24,7 @@ def bench_engine_command(
     kernel: str = typer.Option("fused", "--kernel", help="The runtime's MoE kernel (naive = the per-expert loop)."),
     scheduler: str = typer.Option("static", "--scheduler", help="The runtime's scheduler (static or continuous)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="The runtime's weights: f32 or bf16. The random checkpoint is written in it (default f32); with --model, the checkpoint's own type (the default) and no other. llama.cpp gets a GGUF of the same type unless --gguf-dtype says."),
-    gguf_dtype: Optional[str] = typer.Option(None, "--gguf-dtype", help="llama.cpp's GGUF weight type: f32, f16, bf16 or q8_0 (default: --dtype). f16 has bf16's bytes per weight; take whichever of the two llama.cpp runs faster on the CPU at hand."),
+    gguf_dtype: Optional[str] = typer.Option(None, "--gguf-dtype", help="llama.cpp's GGUF weight type: f32, f16, bf16, q8_0 or q4_0 (default: --dtype; q4_0 holds --weights int4's very bytes). f16 has bf16's bytes per weight; take whichever of the two llama.cpp runs faster on the CPU at hand."),
     decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
     lm_head: str = typer.Option("f32", "--lm-head", help="The runtime's LM head precision: f32, bf16, int8 or fp8 (weight-only, float32 accumulation; approximate). --vs moebench times it against the float32 head."),
     weights: str = WEIGHTS,

@@ -45,9 +45,10 @@ LM_HEAD = typer.Option(
 WEIGHTS = typer.Option(
     "f32", "--weights",
     help="Weight precision of what a decode step streams besides the LM head (attention projections, dense "
-         "MLPs, routed experts): f32 (default: the checkpoint's own, float32 or bfloat16) or int8 (one float32 "
-         "scale per output row, weight-only, float32 accumulation; routers stay float32). Approximate: answers "
-         "may change (docs/int8.md).")
+         "MLPs, routed experts): f32 (default: the checkpoint's own, float32 or bfloat16), int8 (one float32 "
+         "scale per output row) or int4 (a float16 scale per group of 32 inputs, llama.cpp's Q4_0 blocks); "
+         "weight-only, float32 accumulation, routers stay float32. Approximate: answers may change "
+         "(docs/int8.md, docs/int4.md).")
 
 
 def cpu_threads(threads: Optional[int], device: str) -> Optional[int]:

@@ -391,8 +391,8 @@ def bench_engine(
     if vs == "moebench" and lm_head == "f32" and weights == "f32":
         raise MoebenchError("--vs moebench times the runtime against its checkpoint's own weights: give --lm-head "
                             "bf16, int8 or fp8, or --weights int8")
-    if weights not in ("f32", "int8"):
-        raise MoebenchError(f"--weights {weights!r}: choose from f32, int8")
+    if weights not in ("f32", "int8", "int4"):
+        raise MoebenchError(f"--weights {weights!r}: choose from f32, int8, int4")
     default_threads = threads is None or not threads
     thread_counts = sorted(set(threads)) if not default_threads else [default_thread_count()]
     if any(t < 1 for t in thread_counts):

@@ -184,7 +184,8 @@ def _one_tier_for_every_config(base_runtime, configs):
     if base_runtime.offload_tier != "disk" or not in_memory_only:
         return base_runtime
     print(f"moebench: offload tier host for every config, not disk: {', '.join(in_memory_only)} "
-          "hold int8 experts that exist only in memory", file=sys.stderr, flush=True)
+          f"hold {'/'.join(sorted({c.weights for c in configs if c.weights != FULL_WEIGHTS}))} experts that exist "
+          "only in memory", file=sys.stderr, flush=True)
     return replace(base_runtime, offload_tier="host")
 
 

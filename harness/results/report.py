@@ -85,6 +85,14 @@ def _pct_change(new: float | None, old: float | None) -> str:
     return f"{(new / old - 1) * 100:+.1f}%"
 
 
+def _paired_change(sp: dict) -> str:
+    """A speedup block as the change column shows it: the paired estimate, never a ratio of medians."""
+    med, ci = sp.get("median"), sp.get("ci95")
+    if med is None:
+        return "n/a"
+    return f"{(med - 1) * 100:+.0f}% (speedup {med:.2f}x{_ci(ci)})"
+
+
 def _acc(c: dict) -> str:
     a = c["accuracy"]
     if a["value"] is None:
@@ -103,19 +111,15 @@ def _headline(summary: dict, base: dict, opt: dict) -> Table:
     sp = vb.get("speedup") or {}
     bd, od = base["decode_tokens_per_s"], opt["decode_tokens_per_s"]
     bo, oo = base["output_tokens_per_s"], opt["output_tokens_per_s"]
+    diff = vb.get("accuracy_difference") or {}
     rows = [
-        ["Decode tokens/s (median [95% CI])", _f(bd["median"]) + _ci(bd["ci95"]),
-         _f(od["median"]) + _ci(od["ci95"]),
-         f"{_pct_change(od['median'], bd['median'])} (speedup {_f(sp.get('median'), '{:.2f}x')}"
-         f"{_ci(sp.get('ci95'))})"],
-        ["Output tokens/s, whole run (median [95% CI])", _f(bo["median"]) + _ci(bo.get("ci95")),
-         _f(oo["median"]) + _ci(oo.get("ci95")),
-         f"{_pct_change(oo['median'], bo['median'])} (speedup "
-         f"{_f((vb.get('output_speedup') or {}).get('median'), '{:.2f}x')}"
-         f"{_ci((vb.get('output_speedup') or {}).get('ci95'))})"],
-        ["Accuracy (correct / total)", _acc(base), _acc(opt),
-         f"{_f(vb.get('accuracy_delta'), '{:+.2f}')} points{_ci(vb.get('accuracy_delta_ci95'))}"],
-        ["McNemar exact p (discordant baseline-only vs optimized-only)", "",
+        ["Decode tokens/s (median [95% CI]; change: paired speedup)", _f(bd["median"]) + _ci(bd["ci95"]),
+         _f(od["median"]) + _ci(od["ci95"]), _paired_change(sp)],
+        ["Output tokens/s, whole run (median [95% CI]; change: paired speedup)", _f(bo["median"]) + _ci(bo.get("ci95")),
+         _f(oo["median"]) + _ci(oo.get("ci95")), _paired_change(vb.get("output_speedup") or {})],
+        ["Accuracy (correct / total; change: paired difference, all trials)", _acc(base), _acc(opt),
+         f"{_f(diff.get('points'), '{:+.2f}')} points{_ci(diff.get('ci95'), '{:+.2f}')}"],
+        ["McNemar exact p, trial 0 (discordant baseline-only vs optimized-only)", "",
          format_p(vb.get("mcnemar_p")),
          f"{(vb.get('discordant') or {}).get('baseline_only', 'n/a')} vs "
          f"{(vb.get('discordant') or {}).get('config_only', 'n/a')}"],
