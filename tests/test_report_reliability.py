@@ -33,18 +33,19 @@ def test_all_identical_sentences_make_sense(tmp_path):
     summary = build_summary(make_run(tmp_path, configs=("baseline", "kernel")))
     text = _plain_words(summary, config_entry(summary, "kernel"))
     assert "+0.00 to +0.00" not in text and "cannot be ruled out" not in text
-    assert "All 40 paired items were scored the same as the baseline" in text
+    assert "identical: 0 of 40 items changed" in text and "at most 7.2% of items like these" in text
     assert "Every output matched the baseline's character for character" in text
 
 
 def test_changed_and_undetected_accuracy_sentences(tmp_path):
     changed = build_summary(make_run(tmp_path / "a", configs=("baseline", "kernel"), flips={"kernel": list(range(20))}))
     text = _plain_words(changed, config_entry(changed, "kernel"))
-    assert "Accuracy changed: kernel scores" in text and "points lower" in text
+    assert "Accuracy verdict over 120 answers" in text and "regression: accuracy fell" in text
     small = build_summary(make_run(tmp_path / "b", configs=("baseline", "kernel"), flips={"kernel": [1]}))
     text = _plain_words(small, config_entry(small, "kernel"))
-    assert "No accuracy change was detected on 40 paired items (1 right only for the baseline, 0 only for kernel" in text
-    assert "leaves room for a change of that size" in text
+    assert "inconclusive: difference" in text and "reaches below the -1-point margin" in text
+    assert "Trial 0 alone, the seed report's statistic: 1 items right only for the baseline, 0 only for kernel" in text
+    assert "decides nothing" in text
 
 
 def test_markdown_shows_p_values_and_markup_literally(six_config_report):

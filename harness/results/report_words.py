@@ -37,36 +37,22 @@ def _speed_words(opt: dict, sp: dict) -> list[str]:
 
 
 def _accuracy_words(opt: dict, vb: dict) -> list[str]:
-    p, n = vb.get("mcnemar_p"), vb.get("paired_items") or 0
-    if p is None or not n:
+    """The verdict over every trial first (the decision), then trial 0's McNemar test, which the
+    seed report used and which decides nothing here."""
+    n = vb.get("paired_items") or 0
+    v, diff = vb.get("accuracy_verdict") or {}, vb.get("accuracy_difference") or {}
+    if not n and not diff.get("pairs"):
         return []
-    d = vb.get("discordant") or {}
-    only_base, only_cfg = d.get("baseline_only", 0), d.get("config_only", 0)
-    dci = vb.get("accuracy_delta_ci95")
     words = []
-    if only_base == 0 and only_cfg == 0:
-        words.append(f"All {n} paired items were scored the same as the baseline (no item right for one and "
-                     f"wrong for the other; McNemar exact p = {format_p(p)}), so accuracy on these items "
-                     "did not change.")
-    elif p >= 0.05:
-        span = (f"the 95% interval of the difference, {dci[0]:+.2f} to {dci[1]:+.2f} points, leaves room "
-                "for a change of that size" if dci else "no interval of the difference is available")
-        words.append(f"No accuracy change was detected on {n} paired items ({only_base} right only for the "
-                     f"baseline, {only_cfg} only for {opt['name']}; McNemar exact p = {format_p(p)}). That "
-                     f"is not proof of equal accuracy: {span}.")
-    else:
-        delta = vb.get("accuracy_delta")
-        direction = "lower" if (delta or 0) < 0 else "higher"
-        span = f", 95% CI {dci[0]:+.2f} to {dci[1]:+.2f}" if dci else ""
-        words.append(f"Accuracy changed: {opt['name']} scores {abs(delta or 0):.2f} points {direction}{span} "
-                     f"({only_base} right only for the baseline, {only_cfg} only for {opt['name']}; McNemar "
-                     f"exact p = {format_p(p)}). This configuration alters answers.")
-    v = vb.get("accuracy_verdict") or {}
-    diff = vb.get("accuracy_difference") or {}
     if v.get("statement") and v.get("verdict"):
         pairs = (f"{diff.get('pairs')} answers ({diff.get('items')} items x {diff.get('trials')} trials, "
                  "clustered by item)" if (diff.get("trials") or 1) > 1 else f"{diff.get('pairs')} paired answers")
         words.append(f"Accuracy verdict over {pairs}: {v['statement']}.")
+    d, p = vb.get("discordant") or {}, vb.get("mcnemar_p")
+    if p is not None and n:
+        words.append(f"Trial 0 alone, the seed report's statistic: {d.get('baseline_only', 0)} items right only for "
+                     f"the baseline, {d.get('config_only', 0)} only for {opt['name']} (McNemar exact p = "
+                     f"{format_p(p)}); it is shown, and decides nothing.")
     same = vb.get("identical_outputs")
     if same == 1:
         words.append("Every output matched the baseline's character for character: no answer changed on "
