@@ -1,5 +1,5 @@
 """Weight-only round-to-nearest quantization: the negative control (the routed experts), the LM head's
-precision (--lm-head) and the other streamed weights' precision (--weights int8).
+precision (--lm-head) and the other streamed weights' precision (--weights int8, int4).
 
 The negative control is deliberately approximate (symmetric per-group RTN, dequantized back to the
 compute dtype), so answers DO change; a run that includes it proves the accuracy check can detect a
@@ -14,7 +14,7 @@ import torch
 
 from moebench.engine.config import WEIGHT_PRECISIONS  # f32: the checkpoint's own precision
 from moebench.errors import MoebenchError
-from moebench.kernels.reference import PACKED_EXTRA  # a packed row's scale and padding bytes
+from moebench.kernels.reference import INT4_GROUP, PACKED_EXTRA, stored_columns  # the packed rows' layouts
 
 SCHEMES = {"int4": 4, "int3": 3, "int2": 2}
 
@@ -149,8 +149,35 @@ def pack_int8_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def packed_columns(w: torch.Tensor) -> int:
-    """The input width K of a matrix: its last dimension, less 8 for packed int8 rows."""
-    return w.shape[-1] - (PACKED_EXTRA if w.dtype == torch.int8 else 0)
+    """The input width K of a matrix: its last dimension, less 8 for packed int8 rows; for int4 rows
+    (uint8), 32 values per 18-byte block."""
+    return stored_columns(w.shape[-1], w.dtype)
+
+
+# ---- 4-bit weights (--weights int4, docs/int4.md) -------------------------------------------------
+#
+# Groups of 32 along the input dimension in llama.cpp's Q4_0 layout and with its quantizer's rule, so
+# that the runtime's bytes are the GGUF's (`export gguf --dtype q4_0`) and a Q4_0 file llama.cpp made
+# from the same float weights holds the same values: per block, d = the value of largest magnitude
+# (its sign kept) / -8, q = trunc(w / d + 8.5) clipped to [0, 15] (w / d computed as w * (1 / d), in
+# float32, as gguf's quantizer does), d stored as float16; the value is (q - 8) * d.
+
+
+def pack_int4_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [..., K] -> uint8 [..., K / 32 * 18]: Q4_0 blocks (kernels/reference.py: unpack_int4_rows reads
+    them). K must be a multiple of 32."""
+    *lead, k = w.shape
+    if k % INT4_GROUP:
+        raise MoebenchError(f"--weights int4: rows of {k} values (groups of {INT4_GROUP}: a multiple of {INT4_GROUP})")
+    blocks = w.float().reshape(*lead, k // INT4_GROUP, INT4_GROUP)
+    signed_max = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # the first of equal magnitudes
+    d = signed_max / -8
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.clamp(torch.trunc(blocks * inverse + 8.5), 0, 15).to(torch.uint8)
+    half = INT4_GROUP // 2
+    nibbles = q[..., :half] | (q[..., half:] << 4)
+    scale = d.to(torch.float16).view(torch.uint8)  # [..., blocks, 2]: little-endian, as GGUF stores it
+    return torch.cat([scale, nibbles], dim=-1).reshape(*lead, -1).contiguous()
 
 
 # the per-layer matrices a decode step streams that --weights int8 quantizes (routers stay float32:
@@ -159,9 +186,10 @@ _LAYER_MATRICES = ("qkv_proj", "o_proj", "w13", "w2", "dense_w13", "dense_w2", "
 
 
 def weights_in(ckpt, precision: str):
-    """The checkpoint with its weights in `precision`: f32 is `ckpt` itself; int8 a copy (made once per
-    checkpoint) sharing every tensor except the matrices of _LAYER_MATRICES, which are packed int8
-    rows. Its `weights` attribute names the precision."""
+    """The checkpoint with its weights in `precision`: f32 is `ckpt` itself; int8 or int4 a copy (made
+    once per checkpoint) sharing every tensor except the matrices of _LAYER_MATRICES, which are packed
+    int8 rows (pack_int8_rows) or int4 rows (pack_int4_rows). Its `weights` attribute names the
+    precision."""
     if precision not in WEIGHT_PRECISIONS:
         raise MoebenchError(f"unknown weight precision '{precision}' (choose from: {', '.join(WEIGHT_PRECISIONS)})")
     if precision == "f32":
@@ -179,7 +207,7 @@ def weights_in(ckpt, precision: str):
         from moebench.engine.store.tiers import expert_file_dtype
 
         on_disk = read_all_experts(ckpt, expert_file_dtype(ckpt))
-    out.expert_sources = {}  # the int8 experts exist only in memory: no file a disk tier could read
+    out.expert_sources = {}  # the quantized experts exist only in memory: no file a disk tier could read
     out.layers = []
     for i, layer in enumerate(ckpt.layers):
         q = copy.copy(layer)
@@ -188,7 +216,7 @@ def weights_in(ckpt, precision: str):
         for name in _LAYER_MATRICES:
             w = getattr(q, name, None)
             if isinstance(w, torch.Tensor) and w.is_floating_point():
-                packed = pack_int8_rows(w)
+                packed = pack_int4_rows(w) if precision == "int4" else pack_int8_rows(w)
                 setattr(q, name, to_huge_pages(packed) if packed.device.type == "cpu" else packed)
         out.layers.append(q)
     out.weights = precision

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index", "lm_head_reference",
-           "unpack_int8_rows", "rows_linear_reference"]
+           "unpack_int8_rows", "rows_linear_reference", "unpack_int4_rows", "dequantize_int4_rows",
+           "stored_width", "stored_columns"]
 
 
 def topk_lowest_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -139,11 +140,59 @@ def unpack_int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     return w[..., :k], w[..., k:k + 4].contiguous().view(torch.float32)[..., 0]
 
 
+# int4 rows (--weights int4; engine/quantize.py: pack_int4_rows, docs/int4.md), held as uint8: each row
+# is K / 32 blocks of llama.cpp's Q4_0, byte for byte: a float16 scale d, then 16 bytes whose low
+# nibbles are the block's values 0-15 and high nibbles its values 16-31, each stored as q + 8 (q in
+# [-8, 7]); the value is q * d. The same bytes are what `moebench export gguf --dtype q4_0` writes.
+INT4_GROUP = 32
+INT4_GROUP_BYTES = 18
+
+
+def stored_width(k: int, dtype: torch.dtype) -> int:
+    """The last dimension of a matrix of K input columns as the runtime stores it in `dtype`: int8 rows
+    carry their scale (K + 8), int4 rows are K / 32 blocks of 18 bytes, float rows are K wide."""
+    if dtype == torch.int8:
+        return k + PACKED_EXTRA
+    if dtype == torch.uint8:
+        return k // INT4_GROUP * INT4_GROUP_BYTES
+    return k
+
+
+def stored_columns(width: int, dtype: torch.dtype) -> int:
+    """The input width K of a matrix whose stored rows are `width` wide in `dtype` (stored_width's inverse)."""
+    if dtype == torch.int8:
+        return width - PACKED_EXTRA
+    if dtype == torch.uint8:
+        return width // INT4_GROUP_BYTES * INT4_GROUP
+    return width
+
+
+def unpack_int4_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(values int8 [..., K] in [-8, 7], scales float32 [..., K / 32]) of int4 rows [..., K / 32 * 18]."""
+    *lead, width = w.shape
+    blocks = w.reshape(*lead, width // INT4_GROUP_BYTES, INT4_GROUP_BYTES)
+    scale = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    nibbles = blocks[..., 2:]
+    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.int8) - 8
+    return values.reshape(*lead, -1), scale
+
+
+def dequantize_int4_rows(w: Tensor) -> Tensor:
+    """float32 [..., K]: each value times its block's scale (exact in float32: a 4-bit integer times a
+    float16)."""
+    values, scale = unpack_int4_rows(w)
+    *lead, k = values.shape
+    return (values.float().reshape(*lead, k // INT4_GROUP, INT4_GROUP) * scale[..., None]).reshape(*lead, k)
+
+
 def rows_linear_reference(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T in x's dtype for a float weight (a bfloat16 one widened exactly first); for int8 rows
     with their scales, x @ values.T times each row's scale, in that order, as the kernels compute it
-    (lm_head_reference)."""
+    (lm_head_reference); for int4 rows, x @ dequantized.T in float32 (the dequantized weight is exact,
+    so a kernel differs from it only in the order of its float32 sums)."""
     if w.dtype == torch.int8:
         values, scale = unpack_int8_rows(w)
         return lm_head_reference(x, values, scale).to(x.dtype)
+    if w.dtype == torch.uint8:
+        return (x.float() @ dequantize_int4_rows(w).T).to(x.dtype)
     return x @ w.to(x.dtype).T

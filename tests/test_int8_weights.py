@@ -145,7 +145,7 @@ def test_weights_int8_is_refused_where_it_cannot_run():
     from moebench.engine import RuntimeConfig
 
     with pytest.raises(MoebenchError):
-        RuntimeConfig(weights="int4")
+        RuntimeConfig(weights="int3")
     with pytest.raises(MoebenchError):
         RuntimeConfig(weights="int8", device="cuda")
 

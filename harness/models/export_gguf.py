@@ -25,8 +25,11 @@ from moebench.errors import MoebenchError
 GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # --dtype: the type of every matrix but the routers (norms and routers stay F32 in every file). bf16
 # holds a bfloat16 checkpoint's values exactly; q8_0 is llama.cpp's blocks of 32 int8 with a float16
-# scale (the gguf package's quantizer), approximate.
-WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0")
+# scale (the gguf package's quantizer), approximate. q4_0 holds the very bytes the runtime computes
+# with under --weights int4 (engine/quantize.py: pack_int4_rows, Q4_0's layout and rule) for the
+# attention and expert matrices; the LM head is Q8_0 (the format nearest --lm-head int8) and the
+# embeddings F32 as the runtime keeps them (a tied head is the embeddings: Q8_0), docs/int4.md.
+WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>")  # the engine's fallback list
 # bumped whenever the exporter's output for the same checkpoint changes (keys cached GGUF files)
 EXPORT_FORMAT_VERSION = 1
@@ -182,6 +185,7 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     import torch
 
     from moebench.engine.families import load_checkpoint, parse_model_config
+    from moebench.engine.quantize import pack_int4_rows
 
     if dtype not in WEIGHT_DTYPES:
         raise MoebenchError(f"unknown weight type '{dtype}' (choose from: {', '.join(WEIGHT_DTYPES)})")
@@ -194,12 +198,12 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     ckpt = load_checkpoint(model_dir, dtype=torch.float32)
     arch = GGUF_ARCHITECTURES[cfg.family]
     Q = gguf.GGMLQuantizationType
-    weight_type = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
-    if weight_type == Q.Q8_0:
-        block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
+    weight_type = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[dtype]
+    if weight_type in (Q.Q8_0, Q.Q4_0):
+        block = gguf.GGML_QUANT_SIZES[weight_type][0]
         widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.moe_intermediate_size}
         if any(w % block for w in widths):
-            raise MoebenchError(f"{model_dir}: q8_0 needs every matrix's rows to be a multiple of {block} values "
+            raise MoebenchError(f"{model_dir}: {dtype} needs every matrix's rows to be a multiple of {block} values "
                                 f"(this checkpoint's are {sorted(widths)} wide)")
 
     out = Path(out)
@@ -209,7 +213,8 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     try:
         writer.add_name(model_dir.name)
         writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+                              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype])
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_context_length(cfg.max_position_embeddings)
         writer.add_embedding_length(cfg.hidden_size)
@@ -248,22 +253,26 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
         writer.add_add_bos_token(False)
         writer.add_add_eos_token(False)
 
-        def add(name: str, tensor, keep_f32: bool = False) -> None:
+        def add(name: str, tensor, keep_f32: bool = False, as_type=None) -> None:
             # the loader keeps a bfloat16 checkpoint's dense matrices bfloat16 (widened here, exactly)
             array = tensor.detach().float().cpu().numpy() if hasattr(tensor, "detach") else tensor
             array = np.ascontiguousarray(array, dtype=np.float32)
             # 1-D tensors (norms) must stay F32 for llama.cpp; the router stays F32 so that F16
             # rounding cannot flip which experts a token picks
-            target = Q.F32 if keep_f32 or array.ndim == 1 else weight_type
+            target = Q.F32 if keep_f32 or array.ndim == 1 else weight_type if as_type is None else as_type
             if target in (Q.F32, Q.F16):
                 writer.add_tensor(name, array.astype(np.float16) if target == Q.F16 else array)
+            elif target == Q.Q4_0:  # the runtime's own int4 rows, byte for byte (Q4_0's layout)
+                writer.add_tensor(name, pack_int4_rows(torch.from_numpy(array)).numpy(), raw_dtype=target)
             else:  # bytes in llama.cpp's layout; the writer works the shape out from raw_dtype
                 writer.add_tensor(name, gguf.quants.quantize(array, target), raw_dtype=target)
 
-        add("token_embd.weight", ckpt.embed)
+        tied = ckpt.lm_head.data_ptr() == ckpt.embed.data_ptr()
+        head_type = Q.Q8_0 if weight_type == Q.Q4_0 else None
+        add("token_embd.weight", ckpt.embed, as_type=head_type if tied else Q.F32 if head_type else None)
         add("output_norm.weight", ckpt.final_norm)
-        if ckpt.lm_head.data_ptr() != ckpt.embed.data_ptr():
-            add("output.weight", ckpt.lm_head)
+        if not tied:
+            add("output.weight", ckpt.lm_head, as_type=head_type)
         I = cfg.moe_intermediate_size
         for i, layer in enumerate(ckpt.layers):
             blk = f"blk.{i}"

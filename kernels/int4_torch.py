@@ -1,0 +1,42 @@
+"""int4 rows (--weights int4, docs/int4.md) where no C++ kernel streams them: dequantize, then torch.
+
+The rows are dequantized to float32 on every call (the reference's arithmetic: x @ dequantized.T), so
+a decode step reads the 4-bit bytes and then writes and reads a float32 copy eight times their size:
+correct, and far slower than the float32 weights it replaces. It is the slow path, so it says so: a
+RuntimeWarning once per process and op, and the activation check fails a run whose decode-step
+projections ran here unless fallbacks are accepted (engine/weight_evidence.py). Prefill rows (more
+than a decode step's) run here by design, as int8's do, and are not warned about.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from .reference import dequantize_int4_rows
+
+__all__ = ["is_int4", "dequantized", "warn_slow_path"]
+
+_warned: set[str] = set()
+
+
+def is_int4(w: Tensor) -> bool:
+    """Whether `w` holds int4 rows (uint8 Q4_0 blocks: kernels/reference.py)."""
+    return w.dtype == torch.uint8
+
+
+def dequantized(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """int4 rows [..., K / 32 * 18] as `dtype` [..., K]; a fresh copy each call."""
+    return dequantize_int4_rows(w).to(dtype)
+
+
+def warn_slow_path(op: str) -> None:
+    """Say once per process that `op` runs int4 weights in torch, dequantizing each call."""
+    if op in _warned:
+        return
+    _warned.add(op)
+    warnings.warn(f"moebench: SLOW PATH: {op} runs int4 weights in torch, dequantizing them to float32 on every "
+                  "call (no C++ int4 kernel streams them here); speeds measured this way are not int4's",
+                  RuntimeWarning, stacklevel=3)
