@@ -470,7 +470,8 @@ class EngineSession:
         if rt.weights != "f32":
             from moebench.engine.weight_evidence import weights_errors
 
-            errors += weights_errors(evidence.get("weights"), evidence["prefetch"].get("expert_dtype"))
+            errors += weights_errors(evidence.get("weights"), evidence["prefetch"].get("expert_dtype"),
+                                     rt.overrides.allow_fallback)
         return errors
 
 

@@ -56,12 +56,14 @@ def _dtype(w: torch.Tensor | None) -> str | None:
     return dtype_name(w.dtype) if w is not None else None
 
 
-def weights_errors(evidence: dict | None, experts_dtype: str | None = None) -> list[str]:
-    """--weights int8 must be seen where it ran: the model holds int8 matrices, the expert store int8
-    rows (`experts_dtype`, the store's evidence), the dense kernel, where it ran, streamed int8 rows
+def weights_errors(evidence: dict | None, experts_dtype: str | None = None, allow_fallback: bool = False) -> list[str]:
+    """--weights int8 (int4) must be seen where it ran: the model holds int8 matrices, the expert store
+    int8 rows (`experts_dtype`, the store's evidence), the dense kernel, where it ran, streamed int8 rows
     (float rows beside them are the routers, float32 by design, docs/int8.md), the fused MoE kernel,
     where it ran, int8 experts and nothing wider, and some projection ran with int8 weights. (A run
-    of prefills only runs its projections in torch, on many rows: that is where they belong.)"""
+    of prefills only runs its projections in torch, on many rows: that is where they belong.) Decode
+    projections the dense kernel left to torch (int4 where no C++ kernel streams it: the slow path,
+    kernels/int4_torch.py) are an error unless fallbacks are accepted (`allow_fallback`)."""
     precision = (evidence or {}).get("precision", "f32")
     if precision == "f32":
         return []
@@ -78,9 +80,12 @@ def weights_errors(evidence: dict | None, experts_dtype: str | None = None) -> l
     if wide:
         errors.append(f"--weights {precision}: the MoE kernel streamed experts in {', '.join(sorted(wide))}")
     dense, in_torch = kernel.get("dense") or {}, (evidence.get("torch") or {}).get(want, 0)
-    if dense and want not in dense:
+    if dense and want not in dense and not (allow_fallback and in_torch):
+        from moebench.engine.overrides import VARIABLES
+
         errors.append(f"--weights {precision}: the dense kernel streamed {', '.join(sorted(dense))} weights and never "
-                      f"{want} ({want} calls in torch: {in_torch})")
+                      f"{want} ({want} calls in torch: {in_torch}; set {VARIABLES['allow_fallback']}=1 to "
+                      "accept that slow path)")
     elif not dense and not in_torch:
         errors.append(f"--weights {precision}: no projection ran with {want} weights")
     return errors

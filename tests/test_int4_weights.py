@@ -157,6 +157,14 @@ def test_engine_holds_int4_and_says_what_ran(tmp_path):
     else:  # the slow path ran the decode projections: a failed activation check, not a quiet result
         assert ev["torch"]["int4"] > 0
         assert any("never int4" in e for e in naive.activation_errors), naive.activation_errors
+        from moebench.engine.overrides import Overrides
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            accepted = _generate(ckpt, kernel="naive", decode_path="eager", weights="int4",
+                                 overrides=Overrides(allow_fallback=True))
+        assert not accepted.activation_errors, accepted.activation_errors  # unless the user accepts it
+        assert [c.output_ids for c in accepted.completions] == [c.output_ids for c in naive.completions]
     # offloaded int4 experts: the host tier (they exist only in memory), Q4_0 rows in the pool's slots
     store = offloaded.evidence["prefetch"]
     assert store["expert_dtype"] == "int4" and store["expert_misses"] > 0
