@@ -13,7 +13,7 @@ from collections.abc import Callable
 _LLAMACPP_SLOT = re.compile(r"\bslot [ \w():]{12}: id +(\d+) \| task (-?\d+) \| (.*)$")
 
 
-def llamacpp_prompts_joining_decoding(log: str) -> float:
+def llamacpp_prompts_joining_decoding(log: str) -> float | None:
     """Prompts that llama-server started while another slot was already generating: what
     continuous batching does and what `--no-cont-batching` forbids (server-context.cpp:3090, a
     prompt joins the batch only when `cont_batching` is on or the batch holds no sampled token).
@@ -30,28 +30,36 @@ def llamacpp_prompts_joining_decoding(log: str) -> float:
     launch (the queue launches tasks only between update_slots passes, and a pass that put A's
     prompt in a batch decodes it), so A was generating; without continuous batching A's sampled
     token in the batch keeps B's prompt out until A stops. Prompts that start together in one
-    pass (a static batch, which --no-cont-batching still makes) never count."""
-    generating: set[int] = set()  # slots past "init sampler", not yet stopped
-    running_at_launch: dict[int, set[int]] = {}  # slot -> slots generating when its task was launched
-    joined = 0
+    pass (a static batch, which --no-cont-batching still makes) never count.
+
+    None where no task was launched while another sequence was generating: requests that all
+    arrived together (or one at a time) give continuous batching nothing to do, and the evidence
+    is "not exercised", never proof either way."""
+    # a slot serves one task after another: a sequence is (slot, task), so a slot that finished
+    # and took a new task in the same pass is not the sequence that was running at the launch
+    generating: set[tuple[int, int]] = set()  # past "init sampler", not yet stopped
+    running_at_launch: dict[int, set[tuple[int, int]]] = {}  # slot -> sequences generating when its task launched
+    joined = chances = 0
     for line in log.splitlines():
         match = _LLAMACPP_SLOT.search(line)
         if match is None:
             continue
-        slot, message = int(match.group(1)), match.group(3)
+        slot, task, message = int(match.group(1)), int(match.group(2)), match.group(3)
         if message.startswith("init sampler"):
-            generating.add(slot)
+            generating.add((slot, task))
         elif message.startswith("processing task"):
-            running_at_launch[slot] = generating - {slot}
+            running_at_launch[slot] = {seq for seq in generating if seq[0] != slot}
+            chances += bool(running_at_launch[slot])
         elif message.startswith("new prompt"):
             if running_at_launch.pop(slot, set()) & generating:
                 joined += 1
         elif message.startswith("stop processing"):
-            generating.discard(slot)
-    return float(joined)
+            generating.discard((slot, task))
+    return float(joined) if chances else None
 
 
-READERS: dict[str, Callable[[str], float]] = {
+# a reader returns None where the workload gave the optimization no chance to show itself
+READERS: dict[str, Callable[[str], float | None]] = {
     "llamacpp_prompts_joining_decoding": llamacpp_prompts_joining_decoding,
 }
 

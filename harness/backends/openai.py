@@ -288,4 +288,6 @@ class OpenAIEngine:
         end_seen, end_errors = self.server.evidence("end")
         evidence.update(profile=self.server.profile.name, argv=self.server.argv,
                         log=str(self.server.log_path), seen={**start_seen, **end_seen})
+        if self.server.observed.not_exercised:  # evidence this workload gave no chance to show
+            evidence["not_exercised"] = list(self.server.observed.not_exercised)
         return evidence, start_errors + end_errors

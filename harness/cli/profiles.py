@@ -95,6 +95,8 @@ def check_profile(path: Path, recorded: Path | None = None, echo=print) -> list[
             continue
         errors = [e for when in ("start", "end") for e in evaluate(profile.evidence, when, own)[1]]
         echo("  on its own recorded output: " + ("every item holds" if not errors else "; ".join(errors)))
+        if own.not_exercised:
+            echo("  not exercised on its recorded output (no proof either way): " + "; ".join(own.not_exercised))
         if errors:
             failing.append(f"{pf.path}: profile '{profile.name}': its evidence fails on its own recorded output "
                            f"({own.source}): {errors[0]}")
