@@ -84,6 +84,7 @@ def test_an_item_that_a_configuration_without_the_optimization_shows_is_refused(
     for flash-attn, neither of which is the baseline."""
     path = _edited(tmp_path, REPO / "profiles" / "llamacpp-cpu.toml",
                    'enables = ["cont-batching", "flash-attn"]\n', 'enables = ["stack"]\n')
+    path.write_text(path.read_text().replace('proves = "cont-batching"\n', ""))
     problems = check_profile(path, echo=lambda _: None)
     assert any(p.startswith(f"{path}: profile 'stack': evidence log ~ 'load_model: initializing, n_slots = 16, ' "
                             "also holds for 'cont-batching'") for p in problems), problems
@@ -136,6 +137,8 @@ def test_a_mark_on_a_configuration_with_runtime_proof_is_refused(tmp_path):
      "no log reader 'nope'"),
     ("[[profile]]\nname='b'\n[[profile]]\nname='a'\n[[profile.evidence.log_value]]\npattern='(x)'\n",
      "give exactly one of equals, at_least, above"),
+    ("[[profile]]\nname='b'\n[[profile]]\nname='a'\n[profile.evidence]\nlog_must=[{pattern='x', proves='z'}]\n",
+     "proves 'z', which it does not enable (a)"),
 ])
 def test_bad_kind_keys_are_one_line_errors(tmp_path, body, message):
     path = tmp_path / "bad.toml"

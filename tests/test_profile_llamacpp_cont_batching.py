@@ -88,3 +88,21 @@ def test_prompts_that_start_together_do_not_count():
     # the same, with task 2's prompt started while task 1 still ran: continuous batching
     joined = lines[:-2] + [lines[-1], lines[-2]]
     assert llamacpp_prompts_joining_decoding("\n".join(joined)) == 1
+
+
+def test_a_warm_up_that_did_not_exercise_it_leaves_flash_attention_echo_only():
+    """At warm-up cont-batching's own server may have had no chance to show a join (its requests
+    started together): its reader then reads "not exercised", which never holds. stack's reader
+    item would then also fail wherever flash attention is off and seem to prove it; the profile's
+    proves = "cont-batching" keeps it to continuous batching, so stack stays echo-only for flash
+    attention, as marked."""
+    from moebench.backends.discrimination import judge
+
+    pf = load_profiles(PROFILE)
+    observations = {p.name: load_observation(LOGS, p.name) for p in pf.profiles}
+    observations["cont-batching"].log = read_log(LOGS / "baseline.log")  # no task ever beside a running one
+    stack = next(p for p in pf.profiles if p.name == "stack")
+    verdict = judge(stack, observations, pf.profiles, "baseline")
+    assert verdict.ok, verdict.problem()
+    assert verdict.echo_proved == ["flash-attn"]
+    assert [i.kind for i in verdict.proofs["cont-batching"]].count("runtime") == 1

@@ -106,7 +106,8 @@ def judge(profile: Profile, observations: dict[str, Observation], profiles, base
         if item.shared:
             verdict.shared.append((item, holds_for.get(baseline, (False, None))[1]))
             continue
-        proves = [o for o in profile.enables
+        candidates = [item.proves] if item.proves else profile.enables
+        proves = [o for o in candidates
                   if not any(holds_for[n][0] for n in others if o not in enables[n])]
         consistent = [o for o in proves if all(holds_for[n][0] for n in others if o in enables[n])]
         if not proves:

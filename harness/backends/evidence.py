@@ -43,13 +43,17 @@ class MustItem:
     check: EndpointCheck | None = None
     value: LogValue | None = None
     kind: str = "echo"
+    proves: str | None = None  # the optimization it proves, where the profile names it
 
 
 def must_items(evidence: Evidence) -> list[MustItem]:
+    proves = dict(evidence.log_proves)
     items = [MustItem(f"log ~ {p!r}", p in evidence.log_shared, pattern=p,
-                      kind="runtime" if p in evidence.log_runtime else "echo") for p in evidence.log_must]
-    items += [MustItem(v.label, v.shared, value=v, kind=v.kind) for v in evidence.log_values]
-    items += [MustItem(f"{c.label} ({c.when})", c.shared, check=c, kind=c.kind) for c in evidence.endpoints]
+                      kind="runtime" if p in evidence.log_runtime else "echo", proves=proves.get(p))
+             for p in evidence.log_must]
+    items += [MustItem(v.label, v.shared, value=v, kind=v.kind, proves=v.proves) for v in evidence.log_values]
+    items += [MustItem(f"{c.label} ({c.when})", c.shared, check=c, kind=c.kind, proves=c.proves)
+              for c in evidence.endpoints]
     return items
 
 

@@ -34,6 +34,7 @@ class EndpointCheck:
     when: str = "start"
     shared: bool = False  # holds for the baseline too, on purpose (not counted as proof)
     kind: str = "echo"
+    proves: str | None = None  # the one optimization it proves, where the profile says
 
     @property
     def label(self) -> str:
@@ -53,6 +54,7 @@ class LogValue:
     expected: float
     kind: str = "echo"
     shared: bool = False
+    proves: str | None = None
 
     @property
     def label(self) -> str:
@@ -68,6 +70,7 @@ class Evidence:
     log_shared: frozenset = frozenset()  # log_must patterns marked shared = true
     log_runtime: frozenset = frozenset()  # log_must patterns marked kind = "runtime"
     log_values: tuple[LogValue, ...] = ()
+    log_proves: tuple = ()  # (pattern, optimization) for log_must tables that say proves = "..."
 
     @property
     def empty(self) -> bool:
@@ -186,13 +189,22 @@ def _endpoint(path: Path, where: str, raw) -> EndpointCheck:
     when = raw.get("when", "start")
     if when not in WHEN:
         _fail(path, f"{where}: when must be one of {', '.join(WHEN)}")
-    unknown = set(raw) - {"path", "field", "metric", "when", "shared", "kind", *CONDITIONS}
+    unknown = set(raw) - {"path", "field", "metric", "when", "shared", "kind", "proves", *CONDITIONS}
     if unknown:
         _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     if cond in ("at_least", "above") and not isinstance(raw[cond], (int, float)):
         _fail(path, f"{where}: {cond} needs a number")
     return EndpointCheck(raw["path"], raw.get("field"), raw.get("metric"), cond, raw[cond], when,
-                         _shared(path, where, raw), _kind(path, where, raw))
+                         _shared(path, where, raw), _kind(path, where, raw), _proves(path, where, raw))
+
+
+def _proves(path: Path, where: str, raw: dict) -> str | None:
+    """Where one item could seem to prove several optimizations of a stacked configuration (a
+    configuration's warm-up gave it no chance), the profile names the one it proves."""
+    proves = raw.get("proves")
+    if proves is not None and (not isinstance(proves, str) or not proves):
+        _fail(path, f"{where}: proves must name one optimization")
+    return proves
 
 
 def _kind(path: Path, where: str, raw: dict) -> str:
@@ -207,7 +219,7 @@ def _log_value(path: Path, where: str, raw) -> LogValue:
 
     if not isinstance(raw, dict) or ("pattern" in raw) == ("reader" in raw):
         _fail(path, f"{where}: give exactly one of 'pattern' (a regex with one group) or 'reader'")
-    unknown = set(raw) - {"pattern", "reader", "kind", "shared", "equals", "at_least", "above"}
+    unknown = set(raw) - {"pattern", "reader", "kind", "shared", "proves", "equals", "at_least", "above"}
     if unknown:
         _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     conditions = [c for c in ("equals", "at_least", "above") if c in raw]
@@ -224,7 +236,7 @@ def _log_value(path: Path, where: str, raw) -> LogValue:
     elif reader not in READERS:
         _fail(path, f"{where}: no log reader {reader!r} (known: {', '.join(sorted(READERS))})")
     return LogValue(pattern, reader, conditions[0], raw[conditions[0]], _kind(path, where, raw),
-                    _shared(path, where, raw))
+                    _shared(path, where, raw), _proves(path, where, raw))
 
 
 def _shared(path: Path, where: str, raw: dict) -> bool:
@@ -234,20 +246,22 @@ def _shared(path: Path, where: str, raw: dict) -> bool:
     return shared
 
 
-def _log_must(path: Path, where: str, value) -> tuple[tuple[str, ...], frozenset, frozenset]:
+def _log_must(path: Path, where: str, value) -> tuple[tuple[str, ...], frozenset, frozenset, tuple]:
     """log_must entries: a regex (echo), or a table { pattern = '...', kind = "runtime" } for a line
     logged only when the optimization ran, or { pattern = '...', shared = true } for a line that
     the baseline prints too and that is required on purpose (a readiness line, say)."""
     if value is None:
-        return (), frozenset(), frozenset()
+        return (), frozenset(), frozenset(), ()
     if not isinstance(value, list):
         _fail(path, f"{where} must be a list of regexes or {{ pattern = '...', shared = true }} tables")
-    patterns, shared, runtime = [], set(), set()
+    patterns, shared, runtime, proves = [], set(), set(), []
     for i, entry in enumerate(value):
         if isinstance(entry, dict):
-            unknown = set(entry) - {"pattern", "shared", "kind"}
+            unknown = set(entry) - {"pattern", "shared", "kind", "proves"}
             if unknown or not isinstance(entry.get("pattern"), str):
-                _fail(path, f"{where}[{i}]: a table entry needs 'pattern' (and optionally 'shared', 'kind')")
+                _fail(path, f"{where}[{i}]: a table entry needs 'pattern' (and optionally 'shared', 'kind', 'proves')")
+            if (optimization := _proves(path, f"{where}[{i}]", entry)) is not None:
+                proves.append((entry["pattern"], optimization))
             patterns.append(entry["pattern"])
             if _shared(path, f"{where}[{i}]", entry):
                 shared.add(entry["pattern"])
@@ -257,7 +271,7 @@ def _log_must(path: Path, where: str, value) -> tuple[tuple[str, ...], frozenset
             patterns.append(entry)
         else:
             _fail(path, f"{where}[{i}] must be a regex or a {{ pattern = '...' }} table")
-    return tuple(patterns), frozenset(shared), frozenset(runtime)
+    return tuple(patterns), frozenset(shared), frozenset(runtime), tuple(proves)
 
 
 def _evidence(path: Path, where: str, raw) -> Evidence:
@@ -268,7 +282,7 @@ def _evidence(path: Path, where: str, raw) -> Evidence:
     unknown = set(raw) - {"log_must", "log_must_not", "endpoint", "log_value"}
     if unknown:
         _fail(path, f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    log_must, log_shared, log_runtime = _log_must(path, f"{where}.log_must", raw.get("log_must"))
+    log_must, log_shared, log_runtime, log_proves = _log_must(path, f"{where}.log_must", raw.get("log_must"))
     log_must_not = _strings(path, f"{where}.log_must_not", raw.get("log_must_not"))
     for pattern in log_must + log_must_not:
         try:
@@ -283,7 +297,7 @@ def _evidence(path: Path, where: str, raw) -> Evidence:
     if not isinstance(values, list):
         _fail(path, f"{where}.log_value must be an array of tables ([[profile.evidence.log_value]])")
     log_values = tuple(_log_value(path, f"{where}.log_value[{i}]", v) for i, v in enumerate(values))
-    return Evidence(log_must, log_must_not, checks, log_shared, log_runtime, log_values)
+    return Evidence(log_must, log_must_not, checks, log_shared, log_runtime, log_values, log_proves)
 
 
 def _enables(path: Path, where: str, entry: dict, baseline: bool) -> tuple[str, ...]:
@@ -363,6 +377,10 @@ def load_profiles(path: Path) -> ProfileFile:
         where = f"profile[{i}] ({profile.name})"
         profiles.append(replace(profile, enables=_enables(path, where, entry, is_base),
                                 echo_only=_echo_only(path, where, entry, is_base)))
+        named = [o for _, o in profile.evidence.log_proves] + \
+                [c.proves for c in (*profile.evidence.endpoints, *profile.evidence.log_values) if c.proves]
+        if unknown := [o for o in named if o not in profiles[-1].enables]:
+            _fail(path, f"{where}: proves {unknown[0]!r}, which it does not enable ({', '.join(profiles[-1].enables) or 'nothing'})")
     names = [p.name for p in profiles]
     if len(set(names)) != len(names):
         _fail(path, "duplicate profile names")
