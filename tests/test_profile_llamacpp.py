@@ -51,23 +51,30 @@ def test_evidence_the_baseline_server_also_shows_is_refused(llama_server, tmp_pa
 
 
 
-def test_continuous_batching_switched_off_is_refused_at_warm_up(llama_server, tmp_path):
+def test_continuous_batching_switched_off_is_refused_under_the_runs_load(llama_server, tmp_path):
     """`--no-cont-batching` appended to cont-batching (llama.cpp takes the last one): the server
-    still has 16 slots, n_seq_max 16 and total_slots 16, the echo of `--parallel 16`; but no prompt
-    joins a running slot, so the warm-up's 24 concurrent requests leave the runtime evidence at 0
-    and the run stops before any trial, in one line naming the configuration."""
+    still has 16 slots, n_seq_max 16 and total_slots 16, the echo of `--parallel 16`, but no prompt
+    of a task launched beside a running slot joins it. Where the warm-up's 24 requests overlap, the
+    run stops there (exit 2, one line, no trial); where they ran one after another (the join reader:
+    not exercised), the trial's 24 concurrent requests fail the evidence (exit 1, the config named).
+    Never a pass; the shipped profile under the same load passes."""
     text = PROFILE_FILE.read_text()
     args = 'args = ["--parallel", "16", "--cont-batching", "-fa", "off"]'
     assert text.count(args) == 1
     profile = tmp_path / "no-cont-batching.toml"
     profile.write_text(text.replace(args, args[:-1] + ', "--no-cont-batching"]', 1))
-    result = _run(tmp_path, profile, "--profile", "cont-batching", "--limit", "24", "--warmup", "24",
-                  "--concurrency", "24")
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("moebench: error: config 'cont-batching': log reader "
-                               "llamacpp_prompts_joining_decoding at_least 1: read 0"), lines[0]
-    assert not (tmp_path / "r" / "trials.jsonl").exists()
-    log = (tmp_path / "r" / "servers" / "cont-batching-warmup.log").read_text()
-    assert "n_slots = 16" in log and "--no-cont-batching" in log
+    load = ("--profile", "cont-batching", "--limit", "24", "--warmup", "24", "--concurrency", "24")
+    result = _run(tmp_path, profile, *load)
+    refusal = "log reader llamacpp_prompts_joining_decoding at_least 1: read 0"
+    if result.returncode == 2:
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"moebench: error: config 'cont-batching': {refusal}"), lines
+        assert not (tmp_path / "r" / "trials.jsonl").exists()
+    else:
+        assert result.returncode == 1, result.stderr[-2000:]
+        out = " ".join(result.stdout.split())
+        assert f"activation failed: config 'cont-batching' trial 0: {refusal}" in out, out[-2000:]
+        log = (tmp_path / "r" / "servers" / "cont-batching-t0.log").read_text()
+        assert "n_slots = 16" in log and "--no-cont-batching" in log
+    good = _run(tmp_path / "on", PROFILE_FILE, *load)
+    assert good.returncode == 0, good.stderr[-2000:]

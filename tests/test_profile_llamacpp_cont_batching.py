@@ -106,3 +106,21 @@ def test_a_warm_up_that_did_not_exercise_it_leaves_flash_attention_echo_only():
     assert verdict.ok, verdict.problem()
     assert verdict.echo_proved == ["flash-attn"]
     assert [i.kind for i in verdict.proofs["cont-batching"]].count("runtime") == 1
+
+
+def test_profiles_check_exits_2_on_the_recorded_server_without_it(tmp_path):
+    """The real --no-cont-batching recording as cont-batching's own output: exit 2, one line."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "recorded"
+    shutil.copytree(LOGS, folder)
+    for suffix in (".log", ".endpoints.json"):
+        shutil.copy(folder / f"cont-batching.no-cont-batching{suffix}", folder / f"cont-batching{suffix}")
+    result = subprocess.run([sys.executable, "-m", "moebench", "profiles", "check", str(PROFILE), "--recorded",
+                             str(folder)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"moebench: error: {PROFILE}: profile 'cont-batching': its evidence fails on its "
+                                    f"own recorded output ({folder / 'cont-batching.log'}")
+    assert "log reader llamacpp_prompts_joining_decoding at_least 1: read 0" in result.stderr
