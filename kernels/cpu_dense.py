@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cpu_moe import load_extension, loaded_extension
+from .cpu_moe import load_extension, loaded_extension, weight_formats
 
 __all__ = ["linear", "torch_linear", "torch_lm_head", "dense_backends", "dense_kernel_enabled", "pool_stats",
            "DENSE_MAX_ROWS", "weight_streams", "rows_stream", "lm_head", "lm_head_stats",
@@ -58,8 +58,9 @@ def dense_kernel_enabled() -> bool:
 def weight_streams(weight: Tensor) -> bool:
     """Whether `weight` is one the extension's kernel streams: float32 or bfloat16 [M, K], or int8 rows
     with their scales [M, K + 8] (--weights int8, reference.unpack_int8_rows), rows contiguous."""
-    return (weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.int8)
-            and weight.stride(-1) == 1 and (weight.dtype != torch.int8 or weight.stride(0) % 4 == 0))
+    f = weight_formats("dense").get(weight.dtype)
+    return (f is not None and weight.dim() == 2 and weight.stride(-1) == 1
+            and (not f["row_extra"] or weight.stride(0) % 4 == 0))
 
 
 def rows_stream(x: Tensor) -> bool:
@@ -95,18 +96,18 @@ def torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return F.linear(x, weight, bias)
 
 
-HEAD_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # what lm_head_linear streams
-
 _torch_head_calls: dict[str, int] = {}
 _torch_weight_calls: dict[str, int] = {}  # int8 rows with their scales that ran in torch (weight_stats)
 
 
 def head_streams(weight: Tensor, scale: Tensor | None) -> bool:
     """Whether the extension's lm_head_linear streams this LM head: [vocab, K] rows contiguous, float32 or
-    bfloat16 without a scale, int8 or fp8 e4m3 with a contiguous float32 scale per row."""
-    if not (weight.dim() == 2 and weight.dtype in HEAD_DTYPES and weight.stride(-1) == 1):
+    bfloat16 without a scale, int8 or fp8 e4m3 with a contiguous float32 scale per row
+    (weight_formats("lm_head"), the extension's table)."""
+    f = weight_formats("lm_head").get(weight.dtype)
+    if f is None or not (weight.dim() == 2 and weight.stride(-1) == 1):
         return False
-    if weight.dtype in (torch.float32, torch.bfloat16):
+    if not f["scale_tensor"]:
         return scale is None
     return scale is not None and scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == weight.shape[0]
 

@@ -28,7 +28,8 @@ from torch import Tensor
 from .align import sort_by_expert
 from .build import Extension, LazyExtension, build_extension
 
-__all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "cpp_kernel_takes", "load_extension", "loaded_extension"]
+__all__ = ["fused_moe_cpu", "fused_moe_cpu_torch", "cpu_backend", "cpp_kernel_takes", "load_extension", "loaded_extension",
+           "weight_formats"]
 
 log = logging.getLogger("moebench.kernels")
 
@@ -36,7 +37,8 @@ CSRC = Path(__file__).resolve().parent / "csrc" / "moe_cpu.cpp"
 CSRC_ATTENTION = CSRC.with_name("attention_cpu.cpp")  # paged decode attention, same extension
 CSRC_NORMS = CSRC.with_name("norms_cpu.cpp")  # residual add + RMSNorm, sums in torch's order, same extension
 CSRC_ROUTING = CSRC.with_name("routing_cpu.cpp")  # the router's top-k and routing summary, same extension
-CSRC_DENSE = CSRC.with_name("dense_cpu.cpp")  # the step's thread pool and dense projections, same extension
+CSRC_POOL = CSRC.with_name("pool.cpp")  # the step's thread pool and the overrides' entry point, same extension
+CSRC_DENSE = CSRC.with_name("dense_cpu.cpp")  # dense projections and the LM head, same extension
 CSRC_DECODE_LAYER = CSRC.with_name("decode_layer.cpp")  # chains of the decode step's ops, same extension
 # No contraction of a * b + c into one fused multiply-add where the source does not ask for one
 # (explicit FMA intrinsics are unaffected): contracted, `out += w * y` rounds differently depending
@@ -44,11 +46,11 @@ CSRC_DECODE_LAYER = CSRC.with_name("decode_layer.cpp")  # chains of the decode s
 # and offloaded runs would no longer match resident ones bit for bit.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
 EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attention",
-                      (CSRC, CSRC_ATTENTION, CSRC_NORMS, CSRC_ROUTING, CSRC_DENSE, CSRC_DECODE_LAYER),
+                      (CSRC, CSRC_ATTENTION, CSRC_NORMS, CSRC_ROUTING, CSRC_POOL, CSRC_DENSE, CSRC_DECODE_LAYER),
                       tuple(CFLAGS), (),
                       estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load",
-                      headers=(CSRC.with_name("cpu_common.h"), CSRC.with_name("spin.h"),
-                               CSRC.with_name("norms_cpu.h")))
+                      headers=tuple(CSRC.with_name(h) for h in ("cpu_common.h", "spin.h", "norms_cpu.h", "pool.h", "ops.h",
+                                                                "weight_format.h", "distinct_experts.h")))
 
 BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"
@@ -81,15 +83,25 @@ def cpu_backend() -> str:
     return BACKEND_CPP if load_extension() is not None else BACKEND_TORCH
 
 
-# The expert weights the C++ kernel streams (int8: rows that carry their scale, --weights int8);
-# w13 and w2 of one dtype.
-CPP_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_formats: dict[str, dict] = {}
+
+
+def weight_formats(use: str) -> dict:
+    """The weight formats the C++ kernels take for `use` (dense, experts, lm_head), by torch dtype: the
+    extension's one table (kernels/csrc/weight_format.h: row layout, extra bytes per row, whether a
+    row-scale tensor comes with it); empty where the extension did not build (nothing streams)."""
+    if use not in _formats:
+        ext = load_extension()
+        if ext is None:
+            return {}
+        _formats[use] = {getattr(torch, f["dtype"]): f for f in ext.weight_formats() if use in f["uses"]}
+    return _formats[use]
 
 
 def cpp_kernel_takes(w13: Tensor, w2: Tensor) -> bool:
     """Whether the C++ kernel computes with these expert weights as they are (CPU tensors of one dtype
-    it streams); other weights take the torch fallback. Says nothing of whether the extension built."""
-    return w13.device.type == "cpu" and w13.dtype == w2.dtype and w13.dtype in CPP_WEIGHT_DTYPES
+    it streams: weight_formats("experts")); other weights take the torch fallback."""
+    return w13.device.type == "cpu" and w13.dtype == w2.dtype and w13.dtype in weight_formats("experts")
 
 
 def fused_moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,

@@ -35,7 +35,7 @@ _KINDS = {(torch.bfloat16, torch.float32): BF16_TO_F32, (torch.float16, torch.fl
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 CSRC = CSRC_DIR / "expert_loader.cpp"
 SOURCES = (CSRC, CSRC_DIR / "expert_store.cpp")  # the loader's module and the native store beside it
-HEADERS = (CSRC_DIR / "expert_loader.h", CSRC_DIR / "spin.h")
+HEADERS = (CSRC_DIR / "expert_loader.h", CSRC_DIR / "spin.h", CSRC_DIR / "distinct_experts.h")
 CFLAGS = ["-O3"]
 EXTENSION = Extension("moebench_expert_loader", "the native expert loader and store", SOURCES, tuple(CFLAGS),
                       estimate="about 1 min 30 s on a 2-core machine, up to 40 s more under load", headers=HEADERS)

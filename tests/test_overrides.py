@@ -44,6 +44,13 @@ def test_nothing_below_the_entry_reads_the_environment():
     assert found == {}
 
 
+def test_the_cpp_extension_reads_no_environment_but_through_one_entry_point():
+    getenv = {str(p.relative_to(ROOT)): len(re.findall(r"\bgetenv\s*\(", p.read_text()))
+              for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".cpp", ".h")}
+    assert {name: n for name, n in getenv.items() if n} == {}
+    assert "set_overrides" in (ROOT / "kernels" / "csrc" / "pool.cpp").read_text()
+
+
 def test_the_environment_feeds_the_overrides_once_and_a_bad_value_is_one_line():
     env = {"MOEBENCH_CPU_KERNEL": "torch", "MOEBENCH_DECODE_CHAINS": "0", "MOEBENCH_POOL_SPIN_US": "50",
            "MOEBENCH_UNRELATED": "x"}
@@ -126,3 +133,31 @@ def test_each_override_changes_only_the_op_it_names(bundled):
         assert got["tokens"] == base["tokens"], overrides
         for key in ("moe", "attention", "dense_kernel", "path", "chains"):
             assert got[key] == changed.get(key, base[key]), (overrides, key, got[key])
+
+
+def test_the_kernels_and_python_read_one_weight_format_table():
+    """kernels/csrc/weight_format.h is the one list of what the kernels stream; the Python side asks the
+    extension for it instead of keeping its own copy."""
+    from moebench.kernels.cpu_moe import load_extension, weight_formats
+
+    if load_extension() is None:
+        pytest.skip("needs the C++ extension")
+    assert set(weight_formats("experts")) == {torch.float32, torch.bfloat16, torch.int8}
+    assert set(weight_formats("dense")) == {torch.float32, torch.bfloat16, torch.int8}
+    head = weight_formats("lm_head")
+    assert set(head) == {torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn}
+    assert weight_formats("dense")[torch.int8]["row_extra"] == 8 and head[torch.int8]["scale_tensor"]
+    python_side = "\n".join((ROOT / "kernels" / name).read_text() for name in ("cpu_moe.py", "cpu_dense.py"))
+    assert "float8_e4m3fn)" not in python_side and "CPP_WEIGHT_DTYPES" not in python_side
+
+
+def test_the_pool_takes_its_spin_from_the_overrides_entry_point():
+    from moebench.kernels.cpu_moe import load_extension
+
+    ext = load_extension()
+    if ext is None:
+        pytest.skip("needs the C++ extension")
+    assert ext.set_overrides(True, 50) and ext.set_overrides(True, 200)
+    ext.simd_stats()  # asks which kernel streams: the AVX-512 choice is made now, for this process
+    assert not ext.set_overrides(False, 200)  # the other choice, asked for later, is refused (not ignored)
+    assert ext.pool_selftest(50, 2) == 0

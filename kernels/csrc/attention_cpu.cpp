@@ -23,7 +23,7 @@
 // RMSNorm is norms_cpu.cpp's, bit-identical to torch's. The attention itself matches SDPA to
 // ~1e-6, not bit for bit (its sums run in another order).
 
-#include "cpu_common.h"
+#include "ops.h"
 #include "norms_cpu.h"
 
 #include <algorithm>

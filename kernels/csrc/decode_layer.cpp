@@ -8,7 +8,8 @@
 // bit-identical, tests/test_step_ops.py::test_decode_chains_are_the_ops_one_by_one), only without
 // returning to Python in between. The longest, DecodeLayers, is all of a step's layers.
 
-#include "cpu_common.h"
+#include "ops.h"
+#include "distinct_experts.h"
 
 #include <ATen/ATen.h>
 
@@ -100,10 +101,10 @@ class DecodeLayers {
                       w13[i].size(2) == hidden_ + extra && w2[i].size(1) == hidden_ && w2[i].size(2) == inter + extra &&
                       w13[i].size(1) == 2 * inter && w13[i].stride(2) == 1 && w2[i].stride(2) == 1 &&
                       w13[i].scalar_type() == w2[i].scalar_type() &&
-                      (w13[i].scalar_type() == torch::kFloat32 || w13[i].scalar_type() == torch::kBFloat16 ||
-                       (packed && packed_int8(w13[i], hidden_) && packed_int8(w2[i], inter))),
-                  "DecodeLayers: w13 must be [E, 2I, hidden] and w2 [E, hidden, I], float32 or bfloat16, rows contiguous, "
-                  "or int8 rows with their scales [E, 2I, hidden + 8] and [E, hidden, I + 8]");
+                      moebench_cpu::takes_rows(w13[i], hidden_, moebench_cpu::kExpertWeights) &&
+                      moebench_cpu::takes_rows(w2[i], inter, moebench_cpu::kExpertWeights),
+                  "DecodeLayers: w13 must be [E, 2I, hidden] and w2 [E, hidden, I] (+ a format's row bytes), rows "
+                  "contiguous, in one of: ", moebench_cpu::accepted_formats(moebench_cpu::kExpertWeights));
       l.w13 = w13[i];
       l.w2 = w2[i];
       l.next_norm = vector_of(next_norm[i], hidden_, "next_norm");
@@ -176,7 +177,7 @@ class DecodeLayers {
         clock.lap(kExperts);
         add_rms_norm_into(h, ws.f(ws.experts), w.next_norm.data_ptr<float>(), B, hidden_, eps, x, ws.f(ws.ms));
         clock.lap(kNorms);
-        distinct[i] = distinct_experts(layer_ids, B * top_k_, ws.seen);
+        distinct[i] = ws.distinct.mark(layer_ids, B * top_k_);
       }
       if (lm_head_.has_value()) {
         const bool scaled = lm_head_scale_.has_value() && lm_head_scale_->defined();
@@ -210,7 +211,7 @@ class DecodeLayers {
   struct Workspace {
     std::vector<torch::Tensor> tensors;
     int h, x, qkv, q, attention, projected, logits, probs, weights, experts, ms, scratch;
-    std::vector<uint8_t> seen;
+    moebench_experts::DistinctExperts distinct;
     float* f(int which) { return tensors[which].data_ptr<float>(); }
   };
 
@@ -227,7 +228,7 @@ class DecodeLayers {
     ws.probs = add(experts_), ws.weights = add(top_k_), ws.experts = add(hidden_), ws.ms = add(1);
     ws.tensors.push_back(torch::empty({decode_attention_scratch(B, num_heads_, kv_heads, head_dim_)}, embed_.options()));
     ws.scratch = static_cast<int>(ws.tensors.size() - 1);
-    ws.seen.resize(experts_);
+    ws.distinct.resize(experts_);
     return workspaces_.emplace(B, std::move(ws)).first->second;
   }
 
@@ -239,31 +240,19 @@ class DecodeLayers {
       renormalize_by_torch(ws.tensors[ws.weights]);
   }
 
-  static int64_t distinct_experts(const int64_t* ids, int64_t n, std::vector<uint8_t>& seen) {
-    std::fill(seen.begin(), seen.end(), 0);
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; ++i)
-      if (!seen[ids[i]]) {
-        seen[ids[i]] = 1;
-        ++count;
-      }
-    return count;
-  }
-
   // w as float32 [rows, cols] or bfloat16 with contiguous rows, or int8 rows with their scales
   // [rows, cols + 8] (--weights int8), as dense_linear reads it
   static torch::Tensor matrix(const torch::Tensor& w, int64_t cols, const char* name) {
-    TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 &&
-                    ((w.size(1) == cols && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16)) ||
-                     packed_int8(w, cols)),
-                "DecodeLayers: ", name, " must be float32 or bfloat16 [rows, ", cols, "] with contiguous rows, or int8 "
-                "rows with their scales [rows, ", cols + moebench_cpu::kPackedExtra, "]");
+    TORCH_CHECK(w.dim() == 2 && moebench_cpu::takes_rows(w, cols, moebench_cpu::kDenseWeights),
+                "DecodeLayers: ", name, " must be [rows, ", cols, " (+ a format's row bytes)] with contiguous rows in one "
+                "of: ", moebench_cpu::accepted_formats(moebench_cpu::kDenseWeights));
     return w;
   }
 
   // The input width of a weight matrix: its columns, less a row's scale and padding for int8 rows
   static int64_t input_columns(const torch::Tensor& w) {
-    return w.size(1) - (w.scalar_type() == torch::kChar ? moebench_cpu::kPackedExtra : 0);
+    const moebench_cpu::WeightFormat* f = moebench_cpu::weight_format(w.scalar_type(), moebench_cpu::kDenseWeights);
+    return w.size(1) - (f != nullptr ? f->row_extra : 0);
   }
 
   // w as the float32 contiguous [n] vector the ops convert it to

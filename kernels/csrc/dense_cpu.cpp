@@ -1,18 +1,4 @@
-// The decode step's thread pool, and dense projections (x @ w.T) for few tokens, on the CPU.
-//
-// Thread pool. A decode step is a chain of short parallel sections (per layer: the qkv and output
-// projections, attention, the router, two MoE phases), each a few hundred microseconds to a few
-// milliseconds. OpenMP runs each as a team: every thread of the team must arrive at the closing
-// barrier, so a team thread that the kernel has not scheduled (the other core busy with another
-// job) stalls the section for a scheduler time slice, milliseconds, even when the calling thread
-// could have done all the work itself. Here a section is a list of items claimed one at a time
-// from a shared counter; the calling thread claims items too and waits only for items another
-// thread has claimed and not finished. A worker that wakes late finds nothing left and goes back
-// to waiting: it never holds the section up.
-//
-// Waiting workers spin for a short while (MOEBENCH_POOL_SPIN_US: the gap between two sections of a
-// step is shorter than waking a sleeping thread), then sleep on a futex; spin.h says when they
-// do not spin at all.
+// Dense projections (x @ w.T) for few tokens, on the CPU, on the step's thread pool (pool.h).
 //
 // Dense projections. At decode time x has 1-16 rows and w a few MB: a weight row is read once and
 // meets every token while it is in L1. Items are blocks of output rows; with up to 3 tokens the
@@ -22,13 +8,10 @@
 // over chunks of K that stay in L1. torch's matmul on these shapes (MKL) reaches a fraction of the
 // read bandwidth and uses the second thread poorly.
 
-#include "cpu_common.h"
-#include "spin.h"
+#include "ops.h"
 
 #include <fcntl.h>
 #include <immintrin.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,161 +35,12 @@ std::atomic<int64_t> g_run_bytes{128 * 1024};
 
 bool avx512_streams() {
   static const bool on = [] {
-    const char* env = std::getenv("MOEBENCH_AVX512");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (!avx512_allowed()) return false;  // the avx512 override (pool.cpp: set_overrides)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   }();
   return on;
-}
-
-using ItemFn = void (*)(void* context, int64_t item);
-
-namespace {
-
-std::atomic<int64_t> g_spins_refused{0};  // spins not begun because the machine was busy
-
-// Spins until ready() or `spin` has passed; false if it gave up (the caller then sleeps).
-template <class Ready>
-bool spin_until(Ready ready, std::chrono::microseconds spin) {
-  return moebench_spin::spin_until(ready, spin, &g_spins_refused);
-}
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-std::chrono::microseconds spin_from_environment() {
-  const char* text = std::getenv("MOEBENCH_POOL_SPIN_US");
-  return std::chrono::microseconds(text != nullptr ? std::max(0L, std::strtol(text, nullptr, 10)) : 200);
-}
-
-class Pool {
- public:
-  static Pool& instance() {
-    static Pool* pool = new Pool();  // never destroyed: workers may still be parked at exit
-    return *pool;
-  }
-
-  // Runs fn(context, i) for i in [0, n) on the calling thread and up to threads - 1 workers.
-  void run(int64_t n, int threads, ItemFn fn, void* context) {
-    std::lock_guard<std::mutex> one_section_at_a_time(section_);
-    ensure_workers(threads - 1);
-    fn_ = fn;
-    context_ = context;
-    // released after the previous section's claim_ was closed (below): a worker that reads this
-    // count sees the closed claim_ too, so its exchange on an older claim fails
-    items_.store(n, std::memory_order_release);
-    participants_ = threads - 1;
-    done_.store(0, std::memory_order_relaxed);
-    const uint32_t generation = generation_.load(std::memory_order_relaxed) + 1;
-    claim_.store(static_cast<uint64_t>(generation) << 32, std::memory_order_release);
-    generation_.store(generation, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&generation_);
-    work(generation);
-    // wait for items claimed by workers and not finished yet
-    if (done_.load(std::memory_order_acquire) < n) {
-      spin_until([&] { return done_.load(std::memory_order_acquire) >= n; }, std::chrono::microseconds(1000000));
-      while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();
-    }
-    // Close the section. A worker may have read claim_ as (this generation, n) and be about to
-    // compare n with items_: were items_ already the next section's larger count, its exchange
-    // on the still-open claim_ would succeed, run the next section's fn_ on a stale item and count
-    // it in the next section's done_, which would then end with an item still running (its context
-    // gone: a crash in the worker).
-    claim_.store((static_cast<uint64_t>(generation) << 32) | kClosed, std::memory_order_release);
-    sections_.fetch_add(1, std::memory_order_relaxed);
-  }
-
-  int64_t worker_items() const { return worker_items_.load(std::memory_order_relaxed); }
-  int64_t sections() const { return sections_.load(std::memory_order_relaxed); }
-  int64_t worker_sleeps() const { return worker_sleeps_.load(std::memory_order_relaxed); }
-  int workers() const { return static_cast<int>(workers_.size()); }
-
- private:
-  Pool() : spin_(spin_from_environment()) {}
-
-  void ensure_workers(int wanted) {
-    while (static_cast<int>(workers_.size()) < wanted) {
-      const int index = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, index] { worker_loop(index); });
-      workers_.back().detach();
-    }
-  }
-
-  // Claims and runs items of section `generation` until none is left; returns how many it ran.
-  int64_t work(uint32_t generation) {
-    int64_t ran = 0;
-    for (;;) {
-      uint64_t claim = claim_.load(std::memory_order_acquire);
-      if (static_cast<uint32_t>(claim >> 32) != generation) return ran;
-      const int64_t item = static_cast<int64_t>(claim & 0xffffffffu);
-      // items_ may already belong to a later section; the exchange below then fails (claim_ was
-      // closed before items_ changed, see run)
-      if (item >= items_.load(std::memory_order_acquire)) return ran;
-      if (!claim_.compare_exchange_weak(claim, claim + 1, std::memory_order_acq_rel)) continue;
-      fn_(context_, item);
-      ++ran;
-      done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  void worker_loop(int index) {
-    uint32_t seen = generation_.load(std::memory_order_acquire);
-    for (;;) {
-      if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_)) {
-        sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        worker_sleeps_.fetch_add(1, std::memory_order_relaxed);
-        while (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(&generation_, seen);
-        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-      }
-      seen = generation_.load(std::memory_order_acquire);
-      if (index < participants_) worker_items_.fetch_add(work(seen), std::memory_order_relaxed);
-    }
-  }
-
-  std::mutex section_;
-  std::vector<std::thread> workers_;
-  const std::chrono::microseconds spin_;
-  static constexpr uint64_t kClosed = 0xffffffffu;  // claim_'s item once its section ended: never claimable
-  alignas(64) std::atomic<uint64_t> claim_{0};  // (generation << 32) | next unclaimed item
-  alignas(64) std::atomic<int64_t> done_{0};
-  alignas(64) std::atomic<uint32_t> generation_{0};  // the futex word workers sleep on
-  std::atomic<int> sleepers_{0};
-  ItemFn fn_ = nullptr;
-  void* context_ = nullptr;
-  std::atomic<int64_t> items_{0};
-  int participants_ = 0;
-  std::atomic<int64_t> worker_items_{0};
-  std::atomic<int64_t> sections_{0};
-  std::atomic<int64_t> worker_sleeps_{0};
-};
-
-}  // namespace
-
-// Threads of the step's parallel sections: set_pool_threads(n) while a decode step runs (torch
-// itself is then set to one thread, so its OpenMP team sleeps instead of spinning on the core the
-// pool needs), else torch's own thread count.
-std::atomic<int> g_pool_threads{0};
-
-int step_threads() {
-  const int n = g_pool_threads.load(std::memory_order_relaxed);
-  return n > 0 ? n : std::max(1, at::get_num_threads());
-}
-
-// The entry point the other kernels of the extension call (declared in cpu_common.h).
-void parallel_run(int64_t n, int threads, ItemFn fn, void* context) {
-  if (n <= 0) return;
-  if (threads <= 1 || n == 1) {
-    for (int64_t i = 0; i < n; ++i) fn(context, i);
-    return;
-  }
-  Pool::instance().run(n, threads, fn, context);
 }
 
 }  // namespace moebench_cpu
@@ -423,11 +257,9 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
               "dense_linear: x must be float32 [N, K] with contiguous rows");
   const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
-  TORCH_CHECK((w.dim() == 2 && w.stride(1) == 1 && w.size(1) == K &&
-               (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16)) ||
-                  (w.dim() == 2 && packed_int8(w, K)),
-              "dense_linear: w must be float32 or bfloat16 [M, ", K, "] with contiguous rows, or int8 rows with their "
-              "scale [M, ", K + moebench_cpu::kPackedExtra, "]; got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.dim() == 2 && moebench_cpu::takes_rows(w, K, moebench_cpu::kDenseWeights),
+              "dense_linear: w must be [M, ", K, " (+ a format's row bytes)] with contiguous rows in one of: ",
+              moebench_cpu::accepted_formats(moebench_cpu::kDenseWeights), "; got ", w.scalar_type(), " ", w.sizes());
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(torch::kFloat32).contiguous();
@@ -482,20 +314,11 @@ namespace {
 
 // LM-head projections that ran in the kernel, by weight dtype: calls and bytes streamed (weights
 // and row scales). Read by lm_head_stats; the engine reports the difference over a run.
-constexpr int kHeadDtypes = 4;
-constexpr const char* kHeadDtypeNames[kHeadDtypes] = {"float32", "bfloat16", "int8", "float8_e4m3fn"};
+constexpr int kHeadDtypes = moebench_cpu::kNumCountedDtypes;  // weight_format.h's counted dtypes
 std::atomic<int64_t> g_head_calls[kHeadDtypes];
 std::atomic<int64_t> g_head_bytes[kHeadDtypes];
 
-int head_dtype_index(torch::ScalarType t) {
-  switch (t) {
-    case torch::kFloat32: return 0;
-    case torch::kBFloat16: return 1;
-    case torch::kChar: return 2;
-    case torch::kFloat8_e4m3fn: return 3;
-    default: return -1;
-  }
-}
+int head_dtype_index(torch::ScalarType t) { return moebench_cpu::counted_dtype_index(t); }
 
 }  // namespace
 
@@ -522,9 +345,11 @@ void count_weights(int which, torch::ScalarType dtype, int64_t bytes) {
 
 // The checks of an LM head's weight and scale (dense_linear's, widened to int8 / fp8 with a scale).
 void check_lm_head(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale, int64_t K, const char* who) {
-  const bool quantized = w.scalar_type() == torch::kChar || w.scalar_type() == torch::kFloat8_e4m3fn;
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && head_dtype_index(w.scalar_type()) >= 0 && w.size(1) == K, who,
-              ": the LM head must be float32, bfloat16, int8 or float8_e4m3fn [vocab, ", K, "] with contiguous rows");
+  const moebench_cpu::WeightFormat* format = moebench_cpu::weight_format(w.scalar_type(), moebench_cpu::kLmHeadWeights);
+  TORCH_CHECK(w.dim() == 2 && moebench_cpu::takes_rows(w, K, moebench_cpu::kLmHeadWeights), who,
+              ": the LM head must be [vocab, ", K, "] with contiguous rows in one of: ",
+              moebench_cpu::accepted_formats(moebench_cpu::kLmHeadWeights));
+  const bool quantized = format->scale_tensor;
   const bool has_scale = scale.has_value() && scale->defined();
   TORCH_CHECK(has_scale == quantized, who, ": an int8 or fp8 LM head takes a row scale, a float one none");
   if (has_scale)
@@ -560,7 +385,7 @@ pybind11::dict weight_stats() {
       pybind11::dict one;
       one["calls"] = calls;
       one["bytes"] = g_weight_bytes[k][i].load(std::memory_order_relaxed);
-      kind[kHeadDtypeNames[i]] = one;
+      kind[moebench_cpu::counted_dtype_name(i)] = one;
     }
     d[kWeightKinds[k]] = kind;
   }
@@ -573,7 +398,7 @@ pybind11::dict lm_head_stats() {
     pybind11::dict one;
     one["calls"] = g_head_calls[i].load(std::memory_order_relaxed);
     one["bytes"] = g_head_bytes[i].load(std::memory_order_relaxed);
-    d[kHeadDtypeNames[i]] = one;
+    d[moebench_cpu::counted_dtype_name(i)] = one;
   }
   return d;
 }
@@ -626,101 +451,30 @@ pybind11::dict simd_stats() {
   return d;
 }
 
-// How much of the last sections' work the pool's workers did (activation evidence for 2+ threads).
-pybind11::dict pool_stats() {
-  pybind11::dict d;
-  auto& pool = moebench_cpu::Pool::instance();
-  d["workers"] = pool.workers();
-  d["sections"] = pool.sections();
-  d["worker_items"] = pool.worker_items();
-  d["worker_sleeps"] = pool.worker_sleeps();
-  d["spins_refused"] = moebench_cpu::g_spins_refused.load(std::memory_order_relaxed);
-  return d;
-}
-
-// Back-to-back parallel sections of changing sizes, as a decode step runs them, each item marking its
-// slot: returns how many sections ended with a slot unmarked or marked twice (the section returned
-// before its items were done, or an item ran twice). The pool's regression test.
-int64_t pool_selftest(int64_t sections, int64_t threads) {
-  TORCH_CHECK(sections >= 0 && threads >= 1, "pool_selftest: sections >= 0 and threads >= 1");
-  constexpr int64_t kMaxItems = 64;
-  std::vector<std::atomic<int>> marks(kMaxItems);
-  int64_t bad = 0;
-  pybind11::gil_scoped_release no_gil;
-  for (int64_t s = 0; s < sections; ++s) {
-    const int64_t n = 2 + (s * 37) % (kMaxItems - 1);
-    for (int64_t i = 0; i < n; ++i) marks[i].store(0, std::memory_order_relaxed);
-    parallel_for(n, static_cast<int>(threads), [&](int64_t i) { marks[i].fetch_add(1, std::memory_order_relaxed); });
-    for (int64_t i = 0; i < n; ++i) {
-      if (marks[i].load(std::memory_order_relaxed) != 1) {
-        ++bad;
-        break;
-      }
-    }
-  }
-  return bad;
-}
-
-void set_pool_threads(int64_t threads) { moebench_cpu::g_pool_threads.store(static_cast<int>(std::max<int64_t>(0, threads))); }
-
-// A decode step's threads, as a context manager a session makes once (engine/decode_path.py) and
-// enters around each decode step: with the pool on, the pool gets torch's thread count and torch one
-// thread for the step (an op that opened an OpenMP team with torch at two threads, an argmax over
-// the logits, left libgomp's worker spinning for milliseconds on the core the pool's worker needed:
-// docs/cpu-decode.md). Inside, it counts the step by the threads it then runs on, read here, where
-// the step runs: the evidence of what the pool did, not of what was asked.
-class StepThreads {
- public:
-  explicit StepThreads(bool pool) : pool_(pool) {}
-
-  StepThreads& enter() {
-    torch_threads_ = at::get_num_threads();
-    switched_ = pool_ && torch_threads_ > 1;
-    if (switched_) {
-      moebench_cpu::g_pool_threads.store(torch_threads_);
-      at::set_num_threads(1);
-    }
-    const std::string key = "pool=" + std::to_string(moebench_cpu::step_threads()) +
-                            " torch=" + std::to_string(at::get_num_threads());
-    ++seen_[key];
-    return *this;
-  }
-
-  void exit() {
-    if (!switched_) return;
-    at::set_num_threads(torch_threads_);
-    moebench_cpu::g_pool_threads.store(0);
-    switched_ = false;
-  }
-
-  pybind11::dict seen() const {
-    pybind11::dict d;
-    for (const auto& [key, steps] : seen_) d[pybind11::str(key)] = steps;
-    return d;
-  }
-
- private:
-  bool pool_;
-  bool switched_ = false;
-  int torch_threads_ = 1;
-  std::map<std::string, int64_t> seen_;
-};
-
 }  // namespace
 
+// weight_format.h's table, for the Python side (kernels/cpu_moe.py weight_formats).
+static pybind11::list weight_formats() {
+  pybind11::list out;
+  for (const moebench_cpu::WeightFormat& f : moebench_cpu::kWeightFormats) {
+    pybind11::list uses;
+    if (f.uses & moebench_cpu::kDenseWeights) uses.append("dense");
+    if (f.uses & moebench_cpu::kExpertWeights) uses.append("experts");
+    if (f.uses & moebench_cpu::kLmHeadWeights) uses.append("lm_head");
+    pybind11::dict d;
+    d["dtype"] = f.name;
+    d["layout"] = f.layout;
+    d["row_extra"] = f.row_extra;
+    d["scale_tensor"] = f.scale_tensor;
+    d["uses"] = uses;
+    out.append(d);
+  }
+  return out;
+}
+
 void register_dense(pybind11::module& m) {
-  m.def("set_pool_threads", &set_pool_threads,
-        "Threads of the step's parallel sections (0: torch's thread count), see StepThreads");
-  m.def("pool_threads", &moebench_cpu::step_threads, "Threads the step's parallel sections use now");
-  m.def("pool_selftest", &pool_selftest, "Sections of a back-to-back run whose items were not each run once",
-        pybind11::arg("sections"), pybind11::arg("threads"));
-  pybind11::class_<StepThreads>(m, "StepThreads",
-                                "Around a decode step: the step's threads to the pool (pool=True) and the step "
-                                "counted by the threads it ran on (seen)")
-      .def(pybind11::init<bool>(), pybind11::arg("pool"))
-      .def("__enter__", &StepThreads::enter, pybind11::return_value_policy::reference)
-      .def("__exit__", [](StepThreads& s, pybind11::args) { s.exit(); return false; })
-      .def("seen", &StepThreads::seen, "Decode steps by the threads they ran on, 'pool=P torch=T'");
+  m.def("weight_formats", &weight_formats, "The weight formats the kernels stream: dtype, row layout, extra bytes "
+        "per row, whether a row-scale tensor comes with it, and which kernels take it (dense, experts, lm_head)");
   m.def("dense_linear", &dense_linear, "x @ w.T (+ bias) for few rows of x, on the step's thread pool (float32)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("lm_head_linear", &lm_head_linear,
@@ -739,6 +493,4 @@ void register_dense(pybind11::module& m) {
   m.def("stream_run_bytes", [] { return moebench_cpu::g_run_bytes.load(std::memory_order_relaxed); },
         "The length a run of streamed rows aims at now, in bytes");
   m.def("simd_stats", &simd_stats, "The streamed dots' and tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
-  m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
-        "spins not begun because the machine had more runnable threads than cores");
 }

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 
+#include "distinct_experts.h"
 #include "expert_loader.h"
 
 namespace moebench_loader {
@@ -150,7 +151,7 @@ class Store {
     int64_t accounted = static_cast<int64_t>(free_.size());
     for (const Pool& p : pools_) accounted += p.held;
     if (accounted != rows) throw std::invalid_argument("every row must be free or held by one layer");
-    need_.assign(E_, 0);
+    need_.resize(E_);
     reset_step();
     std::fill(std::begin(total_), std::end(total_), 0);
   }
@@ -166,20 +167,11 @@ class Store {
     const int64_t n = ids.numel();
     Pool& p = pool(layer);
     // scratch kept between calls (no allocation on a hit), cleared here so a call that threw leaves none
-    std::vector<char>& need = need_;
-    std::vector<int>& needed = needed_;
-    for (int e : needed) need[e] = 0;
-    needed.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t e = id[i];
-      check_expert(e);
-      if (!need[e]) {
-        need[e] = 1;
-        needed.push_back(static_cast<int>(e));
-      }
-    }
+    for (int64_t i = 0; i < n; ++i) check_expert(id[i]);
+    const int64_t distinct = need_.mark(id, n);
+    const std::vector<char>& need = need_.marks();
+    std::vector<int>& needed = need_.list();
     std::sort(needed.begin(), needed.end());
-    const int64_t distinct = static_cast<int64_t>(needed.size());
     add(kLookups, distinct);
     if (distinct > quota_) add(kOverflow, 1);
     score_prediction(p, needed);
@@ -513,8 +505,8 @@ class Store {
   std::vector<Pool*> recent_;   // the most recently fetched first
   std::vector<int64_t> free_;   // taken from the back
   std::shared_ptr<Queue> prefetch_, demand_, sync_;
-  std::vector<char> need_;  // fetch's scratch: the call's experts (flags, and sorted)
-  std::vector<int> needed_, misses_;
+  moebench_experts::DistinctExperts need_;  // fetch's scratch: the call's experts (flags, and sorted)
+  std::vector<int> misses_;
   int64_t step_[kNumKeys], total_[kNumKeys];
   double step_stall_ = 0.0, total_stall_ = 0.0;
 };

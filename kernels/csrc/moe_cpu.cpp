@@ -26,7 +26,7 @@
 // The weight tensors may be any strided view whose last dimension is contiguous: an expert
 // store hands in a pool of slots that changes between calls, so nothing is pre-packed.
 
-#include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -356,9 +356,8 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
               "fused_moe_cpu: x must be a float32 [N, H] tensor with a contiguous last dimension");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "fused_moe_cpu: w13 must be [E, 2I, H] and w2 [E, H, I]");
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
-                  (w13.scalar_type() == torch::kFloat32 || w13.scalar_type() == torch::kBFloat16 ||
-                   w13.scalar_type() == torch::kChar),
-              "fused_moe_cpu: weights must both be float32, both bfloat16 or both int8 rows with their scales");
+                  moebench_cpu::weight_format(w13.scalar_type(), moebench_cpu::kExpertWeights) != nullptr,
+              "fused_moe_cpu: w13 and w2 must be of one of: ", moebench_cpu::accepted_formats(moebench_cpu::kExpertWeights));
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1, "fused_moe_cpu: weight rows must be contiguous");
   const int64_t N = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
   const bool packed = w13.scalar_type() == torch::kChar;
@@ -405,6 +404,7 @@ void register_norms(pybind11::module& m);
 // routing_cpu.cpp: the router's top-k and a step's routing summary
 void register_routing(pybind11::module& m);
 // dense_cpu.cpp: the step's thread pool and dense projections for few tokens
+void register_pool(pybind11::module& m);
 void register_dense(pybind11::module& m);
 // decode_layer.cpp: chains of the decode step's ops, one call each
 void register_decode_layer(pybind11::module& m);
@@ -414,6 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention(m);
   register_norms(m);
   register_routing(m);
+  register_pool(m);
   register_dense(m);
   register_decode_layer(m);
 }

@@ -8,7 +8,7 @@
 // RMSNorm (attention_cpu.cpp) and the router's renormalization and means (routing_cpu.cpp) use the
 // same pieces (norms_cpu.h).
 
-#include "cpu_common.h"
+#include "ops.h"
 #include "norms_cpu.h"
 
 #include <algorithm>

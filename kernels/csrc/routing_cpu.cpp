@@ -4,7 +4,8 @@
 // imbalances), which adds in the order torch's sum takes for that shape (norms_cpu.h: calibrated
 // against torch once per shape), or is left to torch where no candidate order reproduces it.
 
-#include "cpu_common.h"
+#include "ops.h"
+#include "distinct_experts.h"
 #include "norms_cpu.h"
 
 #include <algorithm>
@@ -85,6 +86,8 @@ std::tuple<double, double> routing_step_summary(std::vector<torch::Tensor> ids, 
               "routing_step_summary: one layer per call, at least one call");
   std::vector<int64_t> counts(E);
   std::vector<float> imbalance(rows);
+  moebench_experts::DistinctExperts experts;
+  experts.resize(E);
   int64_t distinct_total = 0;
   int64_t* lp = load.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -96,10 +99,10 @@ std::tuple<double, double> routing_step_summary(std::vector<torch::Tensor> ids, 
       TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "routing_step_summary: expert id ", ip[i], " out of range");
       ++counts[ip[i]];
     }
-    int64_t distinct = 0, most = 0, total = 0;
+    const int64_t distinct = experts.mark(ip, t.numel());
+    int64_t most = 0, total = 0;
     for (int64_t e = 0; e < E; ++e) {
       lp[layers[r] * E + e] += counts[e];
-      distinct += counts[e] > 0;
       most = std::max(most, counts[e]);
       total += counts[e];
     }
