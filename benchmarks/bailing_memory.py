@@ -67,7 +67,7 @@ def measure_one(model: Path, length: int, decode: int, kernel: str, threads: int
     samples = []
     try:
         while session.has_work():
-            record = session.step()
+            record = session.step().to_dict()
             if record["phase"] == "prefill":
                 trim()
                 continue

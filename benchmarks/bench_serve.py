@@ -66,7 +66,7 @@ def in_process_at_concurrency(engine, requests, prompt_ids, concurrency):
     seen = steps = decode_steps = 0
     try:
         while session.has_work():
-            record = session.step()
+            record = session.step().to_dict()
             steps += 1
             if record["phase"] != "prefill":
                 decode_steps += 1

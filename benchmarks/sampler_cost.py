@@ -24,7 +24,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from moebench.engine.llm_engine import greedy_token_ids
+    from moebench.engine.sampling import greedy_token_ids
     from moebench.engine.sampling import SamplingParams, sample_token_ids
 
     torch.set_num_threads(1)

@@ -51,7 +51,7 @@ def files_of_one_step(decode_path: str, kernel: str, budget: float, batch: int) 
         record = session.step()
     finally:
         sys.setprofile(None)
-    assert record["phase"] == "decode", record["phase"]
+    assert record.phase == "decode", record.phase
     session.close()
     return calls, functions, session.evidence()["decode_path"]
 
@@ -78,7 +78,7 @@ def time_steps(decode_path: str, kernel: str, budget: float, batch: int, rounds:
             session.add(Sequence(Request(f"r{i}", "", 64), [5 + i + r, 6, 7], 64, time.perf_counter()))
         records = []
         while session.has_work():
-            records.append(session.step())
+            records.append(session.step().to_dict())
         session.close()
         if r:
             steps += [s for s in records if s["phase"] == "decode" and s["batch_size"] == batch]

@@ -13,14 +13,13 @@ from moebench.engine.config import RuntimeConfig
 from moebench.engine.store.factory import make_store_and_prefetcher
 from moebench.engine.families import cache_bytes_rates, make_cache_and_model, make_runner, non_expert_bytes_per_step
 from moebench.engine.loader import Checkpoint
-from moebench.engine.runner import build_forward_batch
-from moebench.engine.moe import MoeBlock, kernel_activation_errors, make_kernel
-from moebench.engine.routing_stats import RoutingStats
-from moebench.engine.sampling import sample_token_ids
+from moebench.engine.runner import StepPlan, build_forward_batch
+from moebench.engine.moe import MoeBlock, RoutingStats, kernel_activation_errors, make_kernel
+from moebench.engine.sampling import choose_tokens
 from moebench.engine.scheduler import make_scheduler, max_resident, scheduler_activation_errors
 from moebench.engine.sequence import Request, Sequence
 from moebench.engine.mtp import make_mtp_drafter
-from moebench.engine.speculative import draft_context_reads, make_speculator
+from moebench.engine.speculative import make_speculator
 from moebench.errors import MoebenchError
 
 
@@ -46,13 +45,43 @@ class Completion:
         return [b - a for a, b in zip(t, t[1:])]
 
 
-StepRecord = dict
+@dataclass
+class StepRecord:
+    """One engine step as steps.parquet keeps it (`to_dict`: one flat row)."""
+
+    step: int
+    phase: str  # prefill | decode | mixed
+    batch_size: int
+    num_tokens: int  # positions the forward ran (drafts included)
+    decode_tokens: int  # tokens emitted by decoding sequences (accepted drafts included)
+    duration_s: float  # all the engine did for the step: scheduling, the forward, sampling, bookkeeping
+    forward_s: float
+    bytes_read: int  # the least the step had to read (Engine.bytes_read)
+    routing: dict  # distinct experts and load imbalance (RoutingStats.take_step)
+    scheduler: dict  # the queue (Scheduler.take_step)
+    store: dict  # the expert store's loads, hits and stalls (its take_step)
+    speculative: dict | None = None  # drafts and acceptances (Speculator.take_step), None when off
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "batch_size": self.batch_size, "num_tokens": self.num_tokens,
+                "decode_tokens": self.decode_tokens, "duration_s": self.duration_s, "forward_s": self.forward_s,
+                **self.routing, **self.scheduler, **self.store, **(self.speculative or {}),
+                "bytes_read": self.bytes_read}
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a token ends its sequence (Engine.ending): the finish reason and the final text."""
+
+    reason: str  # stop | length
+    text: str
+    drop_last: bool = False  # the token is the EOS, which is no part of the output
 
 
 @dataclass
 class GenerationResult:
     completions: list[Completion]
-    steps: list[StepRecord]
+    steps: list[dict]  # StepRecord.to_dict() of each step
     evidence: dict
     activation_errors: list[str]
     wall_s: float
@@ -132,10 +161,10 @@ class Engine:
         session = EngineSession(self, self._kv_blocks(seqs), on_complete, arrival)
         for s in seqs:
             session.add(s)
-        steps: list[StepRecord] = []
+        steps: list[dict] = []
         try:
             while session.has_work():
-                steps.append(session.step())
+                steps.append(session.step().to_dict())
         finally:
             session.close()
         wall = time.perf_counter() - arrival
@@ -152,111 +181,6 @@ class Engine:
         resident at `max_sequence_tokens` tokens (prompt plus generation) each."""
         blocks = max_resident(self.runtime) * -(-max_sequence_tokens // self.runtime.kv_block_size) + 1
         return EngineSession(self, blocks, on_complete, time.perf_counter())
-
-    def _step(self, index, seqs, runner, kv, block_manager, stats, store, scheduler, completions, on_complete, arrival,
-              step_start, sampling_counts=None, speculator=None, model=None):
-        rt = self.runtime
-        new_tokens = [_new_token_ids(s) for s in seqs]
-        in_prefill = [s.in_prefill for s in seqs]
-        for s in seqs:
-            block_manager.ensure_capacity(s.block_table, s.num_tokens)
-        # speculative decoding (engine/speculative.py): a verifying sequence's drafts are rows of their own
-        drafts = speculator.plan(seqs, new_tokens, block_manager) if speculator else None
-        verify = bool(drafts) and any(drafts)
-        reread = 0  # context tokens a verify step's draft rows read again (row j: num_cached + j + 1)
-        if verify:
-            rows, cached, tables, lens = speculator.rows(seqs, new_tokens, drafts)
-            reread = sum(draft_context_reads(s.num_cached, len(d)) for s, d in zip(seqs, drafts))
-            if hasattr(scheduler, "tokens_ran"):
-                scheduler.tokens_ran(lens)
-        else:
-            rows, cached, tables = new_tokens, [s.num_cached for s in seqs], [s.block_table for s in seqs]
-        batch = build_forward_batch(rows, cached, tables, rt.kv_block_size, rt.device, self.cfg.sliding_window,
-                                    self.torch_dtype)
-        start = time.perf_counter()
-        logits = runner.run(batch, kv)
-        if verify:
-            emitted = speculator.select(seqs, logits, drafts, sampling_counts, greedy_token_ids)
-        else:
-            emitted = [[t] for t in self._select_tokens(seqs, logits, sampling_counts)]
-            if speculator and not all(in_prefill):
-                speculator.plain_step()
-        if rt.device == "cuda":
-            torch.cuda.synchronize()
-        end = time.perf_counter()
-        forward_s = end - start
-
-        routing = stats.take_step()
-        starts = [s.num_cached for s in seqs] if speculator else None
-        callbacks_s = 0.0  # the caller's own work (writing samples) is not the engine's
-        decode_emitted = 0
-        for s, tokens, picks, draft, prefill in zip(seqs, new_tokens, emitted, drafts or [()] * len(seqs), in_prefill):
-            # the K/V kept: the step's tokens but the rejected drafts (theirs stay past num_cached,
-            # outside the context, and are overwritten); the newest pick's is the next step's to write
-            s.num_cached += len(tokens) + len(picks) - 1
-            reason = None
-            for tok in picks:
-                decode_emitted += not prefill  # a pick after the one that finished the sequence is not emitted
-                s.output_ids.append(tok)
-                s.token_times.append(end - s.arrival)
-                reason = self._finish_reason(s, tok)
-                if reason:
-                    break
-            if verify and not reason:
-                speculator.rollback(s, block_manager)
-            if reason:
-                s.finish_reason = reason
-                scheduler.finish(s)
-                c = Completion(s.id, s.text, list(s.output_ids), len(s.prompt_ids), reason,
-                               s.token_times[0], s.token_times[-1], list(s.token_times))
-                completions.append(c)
-                if on_complete:
-                    t = time.perf_counter()
-                    on_complete(c)
-                    callbacks_s += time.perf_counter() - t
-
-        if speculator:  # the positions each sequence kept, and their rows of the step's forward
-            row_counts = lens if verify else [len(t) for t in new_tokens]
-            offsets = [0] * len(seqs)
-            for i in range(1, len(seqs)):
-                offsets[i] = offsets[i - 1] + row_counts[i - 1]
-            speculator.observe(seqs, starts, [s.num_cached - a for s, a in zip(seqs, starts)], model, offsets)
-
-        n_prefill = sum(in_prefill)
-        phase = "prefill" if n_prefill == len(seqs) else ("decode" if n_prefill == 0 else "mixed")
-        record = {
-            "step": index,
-            "phase": phase,
-            "batch_size": len(seqs),
-            "num_tokens": sum(len(t) for t in new_tokens) + sum(map(len, drafts or ())),
-            "decode_tokens": decode_emitted,  # tokens emitted (accepted drafts included), not positions verified
-            "duration_s": time.perf_counter() - step_start - callbacks_s,
-            "forward_s": forward_s,
-            **routing,
-            **scheduler.take_step(),
-            **store.take_step(),
-            **(speculator.take_step() if speculator else {}),
-        }
-        record["bytes_read"] = self.bytes_read(stats_experts=routing, seqs=seqs, reread_tokens=reread)
-        return record
-
-    @staticmethod
-    def _select_tokens(seqs, logits, counts: dict | None) -> list[int]:
-        """Each sequence's next token: the plain argmax when the whole batch is greedy (the fast
-        path), else engine/sampling.py, one draw per sampling row at its output position. `counts`
-        (the session's evidence) gets the positions drawn and those chosen greedily."""
-        params = [s.request.sampling for s in seqs]
-        if all(p.greedy for p in params):
-            ids, drawn = greedy_token_ids(logits), 0
-        else:
-            ids, drawn = sample_token_ids(logits, params, [len(s.output_ids) for s in seqs])
-            if counts is not None:
-                for p in {p.setting() for p in params if not p.greedy}:
-                    counts["settings"].add(p)
-        if counts is not None:
-            counts["sampled_positions"] += drawn
-            counts["greedy_positions"] += len(seqs) - drawn
-        return ids
 
     def bytes_read(self, stats_experts: dict, seqs, reread_tokens: int = 0) -> int:
         """Bytes a step must read at least: active experts' weights, the rest of the weights, the KV cache."""
@@ -289,21 +213,18 @@ class Engine:
         kv = kv_tokens * kv_per_token + len(seqs) * kv_per_sequence
         return int(expert_bytes + other + kv)
 
-    def _finish_reason(self, s: Sequence, tok: int) -> str | None:
+    def ending(self, s: Sequence, tok: int) -> Ending | None:
+        """How `tok`, just appended to s.output_ids, ends the sequence (its reason and final text), or
+        None where it goes on. Changes nothing: the step applies it (EngineSession._finish)."""
         if tok in self.eos_ids:
-            s.output_ids.pop()
-            s.text = self.decode(s.output_ids) if self.tokenizer else ""
-            return "stop"
+            return Ending("stop", self.decode(s.output_ids[:-1]) if self.tokenizer else "", drop_last=True)
         if self.tokenizer is not None and s.request.stop and self._may_end_in_stop(s):
             text = self.decode(s.output_ids)
             cut = min((i for i in (text.find(stop) for stop in s.request.stop) if i >= 0), default=-1)
             if cut >= 0:
-                s.text = text[:cut]
-                return "stop"
+                return Ending("stop", text[:cut])
         if len(s.output_ids) >= s.max_new_tokens:
-            if self.tokenizer is not None:
-                s.text = self.decode(s.output_ids)
-            return "length"
+            return Ending("length", self.decode(s.output_ids) if self.tokenizer is not None else s.text)
         return None
 
     def _may_end_in_stop(self, s: Sequence) -> bool:
@@ -345,8 +266,7 @@ class EngineSession:
         self.store, self.prefetcher = make_store_and_prefetcher(engine.ckpt, rt)
         self.model.moe_block = MoeBlock(self.model.route, self.kernel, self.store, self.prefetcher, self.stats)
         self.scheduler = make_scheduler(rt, self.block_manager)
-        if hasattr(self.scheduler, "attach"):
-            self.scheduler.attach(self.stats)
+        self.scheduler.attach(self.stats)
         self.completions: list[Completion] = []  # finished requests, in the order they finished
         self.num_steps = 0
         self.num_requests = 0
@@ -375,19 +295,102 @@ class EngineSession:
         return self.scheduler.has_work()
 
     def step(self) -> StepRecord:
-        """One engine step; its sequences (each one token longer, or finished) are in `last_batch`."""
-        # A step's time covers all the engine does for it (choosing the batch, building it,
-        # the forward, sampling, bookkeeping): a costly scheduler must not look free.
-        step_start = time.perf_counter()
-        batch_seqs = self.scheduler.schedule()
-        if not batch_seqs:
+        """One engine step, as nano-vllm's: the scheduler picks the batch, the runner runs it, the
+        picked tokens are appended and finished requests leave. Its sequences (each one token longer,
+        or finished) are in `last_batch`. The step's time covers all the engine does for it: a costly
+        scheduler must not look free."""
+        start = time.perf_counter()
+        seqs = self.scheduler.schedule()
+        if not seqs:
             raise MoebenchError("scheduler made no progress (a request cannot fit in the KV cache)")
-        self.last_batch = batch_seqs
-        record = self.engine._step(self.num_steps, batch_seqs, self.runner, self.kv, self.block_manager, self.stats,
-                                   self.store, self.scheduler, self.completions, self.on_complete, self.arrival,
-                                   step_start, self.sampling_counts, self.speculator, self.model)
+        self.last_batch = seqs
+        batch, plan = self._prepare(seqs)
+        forward_start = time.perf_counter()
+        logits = self.runner.run(batch, self.kv)
+        forward_end = time.perf_counter()
+        record = self._postprocess(seqs, plan, logits, start, forward_start, forward_end)
         self.num_steps += 1
         return record
+
+    def _prepare(self, seqs: list[Sequence]):
+        """The step's forward batch: each sequence's new tokens and KV room for them, and, where the
+        speculator drafts, the drafts as rows of their own (engine/speculative.py). -> (batch, plan)."""
+        rt = self.engine.runtime
+        new_tokens = [_new_token_ids(s) for s in seqs]
+        for s in seqs:
+            self.block_manager.ensure_capacity(s.block_table, s.num_tokens)
+        if self.speculator is not None:
+            plan = self.speculator.plan(seqs, new_tokens, self.block_manager)
+            if plan.verifying:
+                self.scheduler.tokens_ran(plan.row_counts)
+        else:
+            plan = StepPlan(new_tokens, [s.in_prefill for s in seqs], new_tokens, [s.num_cached for s in seqs],
+                            [s.block_table for s in seqs])
+        batch = build_forward_batch(plan.rows, plan.cached, plan.tables, rt.kv_block_size, rt.device,
+                                    self.engine.cfg.sliding_window, self.engine.torch_dtype)
+        return batch, plan
+
+    def _postprocess(self, seqs, plan: StepPlan, logits, start: float, forward_start: float,
+                     forward_end: float) -> StepRecord:
+        """The picked tokens appended, finished sequences out of the scheduler and completed, and the
+        step's record."""
+        if self.speculator is not None:
+            emitted = self.speculator.select(seqs, plan, logits, self.sampling_counts)
+        else:
+            emitted = [[t] for t in choose_tokens(logits, [s.request.sampling for s in seqs],
+                                                   [len(s.output_ids) for s in seqs], self.sampling_counts)]
+        routing = self.stats.take_step()
+        starts = [s.num_cached for s in seqs]
+        callbacks_s = 0.0  # the caller's own work (writing samples) is not the engine's
+        decode_emitted = 0
+        for s, tokens, picks, prefill in zip(seqs, plan.new_tokens, emitted, plan.in_prefill):
+            # the K/V kept: the step's tokens but the rejected drafts (theirs stay past num_cached,
+            # outside the context, and are overwritten); the newest pick's is the next step's to write
+            s.num_cached += len(tokens) + len(picks) - 1
+            ending = None
+            for tok in picks:
+                decode_emitted += not prefill  # a pick after the one that finished the sequence is not emitted
+                s.output_ids.append(tok)
+                s.token_times.append(forward_end - s.arrival)
+                ending = self.engine.ending(s, tok)
+                if ending:
+                    break
+            if ending:
+                callbacks_s += self._finish(s, ending)
+        if self.speculator is not None:  # rejected drafts' room back, and what a drafter learns from the step
+            self.speculator.settle(seqs, plan, starts, self.block_manager, self.model)
+        n_prefill = sum(plan.in_prefill)
+        return StepRecord(
+            step=self.num_steps,
+            phase="prefill" if n_prefill == len(seqs) else ("decode" if n_prefill == 0 else "mixed"),
+            batch_size=len(seqs),
+            num_tokens=sum(map(len, plan.rows)),
+            decode_tokens=decode_emitted,
+            duration_s=time.perf_counter() - start - callbacks_s,
+            forward_s=forward_end - forward_start,
+            bytes_read=self.engine.bytes_read(routing, seqs, plan.reread),
+            routing=routing,
+            scheduler=self.scheduler.take_step(),
+            store=self.store.take_step(),
+            speculative=self.speculator.take_step() if self.speculator is not None else None,
+        )
+
+    def _finish(self, s: Sequence, ending: Ending) -> float:
+        """`s` ends as `ending` says: out of the scheduler, its completion made and handed to the
+        caller. Returns the seconds the caller's callback took (not the engine's time)."""
+        if ending.drop_last:
+            s.output_ids.pop()
+        s.text = ending.text
+        s.finish_reason = ending.reason
+        self.scheduler.finish(s)
+        c = Completion(s.id, s.text, list(s.output_ids), len(s.prompt_ids), ending.reason,
+                       s.token_times[0], s.token_times[-1], list(s.token_times))
+        self.completions.append(c)
+        if not self.on_complete:
+            return 0.0
+        t = time.perf_counter()
+        self.on_complete(c)
+        return time.perf_counter() - t
 
     def abort(self, seq: Sequence) -> bool:
         """Take a request out (its client went away): out of the queue, or finished with reason
@@ -473,12 +476,3 @@ class EngineSession:
             errors += weights_errors(evidence.get("weights"), evidence["prefetch"].get("expert_dtype"),
                                      rt.overrides.allow_fallback)
         return errors
-
-
-def greedy_token_ids(logits: torch.Tensor) -> list[int]:
-    """Each row's first index of its largest logit (a NaN counts as largest), as torch's argmax. On the
-    CPU numpy's argmax gives the same index several times faster (32000 logits: ~30 us against ~110
-    us; 16 rows: ~0.1 ms against ~1.4 ms), and it runs once per decode step."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(-1).tolist()
-    return logits.argmax(dim=-1).tolist()

@@ -121,6 +121,26 @@ def build_forward_batch(
     )
 
 
+@dataclass
+class StepPlan:
+    """A step's sequences as its forward runs them: each one's new tokens and whether it is in prefill,
+    and the forward's rows (for a verifying sequence, its last token and each draft one row: engine/
+    speculative.py), with each row's cached length and block table."""
+
+    new_tokens: list[list[int]]
+    in_prefill: list[bool]
+    rows: list[list[int]]
+    cached: list[int]
+    tables: list[list[int]]
+    drafts: list[list[int]] | None = None  # each sequence's drafts ([] for none), None without speculation
+    row_counts: list[int] | None = None  # rows of each sequence in the forward
+    reread: int = 0  # context tokens the draft rows read again (the step's bytes)
+
+    @property
+    def verifying(self) -> bool:
+        return bool(self.drafts) and any(self.drafts)
+
+
 class StepRunner:
     """The eager runner: each op called from Python on torch's threads; every other runner is one.
 

@@ -183,6 +183,36 @@ def sample_row(row, params: SamplingParams, u: float) -> int:
     return pick if kept is None else int(kept[pick])
 
 
+def choose_tokens(logits, params: list[SamplingParams], positions: list[int], counts: dict | None = None) -> list[int]:
+    """Each row's next token, the one place tokens are chosen (a plain step's and a speculative
+    verify step's rows alike): the plain argmax when every row is greedy (the fast path; which each
+    request's params fixed when they were made), else one draw per sampling row at its output
+    position (`positions`). `counts` (a session's evidence) gets the positions drawn and those chosen
+    greedily, and the settings drawn with."""
+    if all(p.greedy for p in params):
+        ids, drawn = greedy_token_ids(logits), 0
+    else:
+        ids, drawn = sample_token_ids(logits, params, positions)
+        if counts is not None:
+            for setting in {p.setting() for p in params if not p.greedy}:
+                counts["settings"].add(setting)
+    if counts is not None:
+        counts["sampled_positions"] += drawn
+        counts["greedy_positions"] += len(params) - drawn
+    return ids
+
+
+def greedy_token_ids(logits) -> list[int]:
+    """Each row's first index of its largest logit (a NaN counts as largest), as torch's argmax. On the
+    CPU numpy's argmax gives the same index several times faster (32000 logits: ~30 us against ~110
+    us; 16 rows: ~0.1 ms against ~1.4 ms), and it runs once per decode step."""
+    import torch
+
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample_token_ids(logits, params: list[SamplingParams], positions: list[int]) -> tuple[list[int], int]:
     """Each row's token: greedy rows their first largest logit (as torch's argmax), the others one
     draw each at their output position. Returns the tokens and how many rows drew."""

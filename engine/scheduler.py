@@ -55,6 +55,13 @@ class Scheduler:
         self._admitted_waits.append(seq.admitted_at - seq.arrival)
         self.running.append(seq)
 
+    def attach(self, stats) -> None:
+        """The session's RoutingStats (engine/moe.py), for a scheduler whose admission reads routing."""
+
+    def tokens_ran(self, lens: list[int]) -> None:
+        """The rows each sequence of the batch just scheduled ran, where a step ran more than one per
+        decoding sequence (a speculative verify step), for a scheduler that reads them."""
+
     def take_step(self) -> dict:
         waits = self._admitted_waits
         out = {"waiting": len(self.waiting), "queue_wait_s": sum(waits) / len(waits) if waits else float("nan")}

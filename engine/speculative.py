@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moebench.engine.sampling import sample_token_ids
+from moebench.engine.runner import StepPlan
+from moebench.engine.sampling import choose_tokens
 from moebench.errors import MoebenchError
 
 METHODS = ("off", "ngram", "mtp")
@@ -123,8 +124,10 @@ class NgramDrafter:
 
 
 class Speculator:
-    """The strategy of one session: which sequences draft in a step (`plan`), which tokens each
-    emits (`select`), and the evidence of both, counted where they ran."""
+    """The strategy of one session, one interface the step calls three times: which sequences draft
+    and the forward's rows (`plan`), which tokens each emits (`select`), what the step leaves behind
+    (`settle`: rejected drafts' room back, the drafter's view of the kept positions); and the evidence
+    of all three, counted where they ran."""
 
     def __init__(self, settings: SpecSettings, drafter=None):
         self.settings = settings
@@ -143,11 +146,12 @@ class Speculator:
         self.accepted_hist = [0] * (k + 1)  # verified sequences by how many drafts they kept
         self._step = {"drafted": 0, "accepted": 0, "accepted_lengths": []}
 
-    def plan(self, seqs, new_tokens: list[list[int]], block_manager) -> list[list[int]]:
-        """Each sequence's drafts this step ([] for none), with KV capacity for them already in its
-        block table. Only decoding sequences draft; the last draft position leaves room for the
-        pick after it within max_new_tokens. The drafter sees every step (an MTP head catches up on
-        the positions the last step kept even when nothing is drafted)."""
+    def plan(self, seqs, new_tokens: list[list[int]], block_manager) -> StepPlan:
+        """The step's plan (engine/runner.py StepPlan): each sequence's drafts this step ([] for none),
+        with KV capacity for them already in its block table, and the forward's rows. Only decoding
+        sequences draft; the last draft position leaves room for the pick after it within
+        max_new_tokens. The drafter sees every step (an MTP head catches up on the positions the last
+        step kept even when nothing is drafted)."""
         s = self.settings
         self._step = {"drafted": 0, "accepted": 0, "accepted_lengths": []}
         off = s.max_batch is not None and len(seqs) > s.max_batch
@@ -168,12 +172,23 @@ class Speculator:
                 block_manager.ensure_capacity(seq.block_table, seq.num_tokens + len(draft))
             drafts[i] = draft
             self.rollback(seq, block_manager, len(draft))  # room a drafter took beyond the draft kept
-        return drafts
+        rows, cached, tables, counts = self.rows(seqs, new_tokens, drafts)
+        reread = sum(draft_context_reads(seq.num_cached, len(d)) for seq, d in zip(seqs, drafts))
+        return StepPlan(new_tokens, [seq.in_prefill for seq in seqs], rows, cached, tables, drafts, counts, reread)
 
-    def observe(self, seqs, starts: list[int], kept: list[int], model, offsets: list[int]) -> None:
-        """After a step: each sequence's kept positions (starts[i] .. starts[i] + kept[i] - 1, rows
-        offsets[i] .. of the step's forward), for a drafter that reads the hidden states."""
+    def settle(self, seqs, plan: StepPlan, starts: list[int], block_manager, model) -> None:
+        """After a step: rejected drafts' blocks back to the block manager, and each sequence's kept
+        positions (starts[i] .. its num_cached - 1, at its rows of the step's forward) shown to a
+        drafter that reads the hidden states."""
+        if plan.verifying:
+            for seq in seqs:
+                if not seq.finished:
+                    self.rollback(seq, block_manager)
         if self.drafter.wants_hidden:
+            offsets = [0] * len(seqs)
+            for i in range(1, len(seqs)):
+                offsets[i] = offsets[i - 1] + plan.row_counts[i - 1]
+            kept = [seq.num_cached - a for seq, a in zip(seqs, starts)]
             self.drafter.observe(seqs, starts, kept, model.last_hidden, offsets)
 
     @staticmethod
@@ -199,28 +214,23 @@ class Speculator:
             lens.append(len(d) + 1)
         return tokens, cached, tables, lens
 
-    def select(self, seqs, logits, drafts: list[list[int]], counts: dict | None, greedy_token_ids) -> list[list[int]]:
-        """Each sequence's emitted tokens: its picks at its rows of `logits` (in `rows` order),
-        up to and including the first that differs from its draft (see the module's rule). Greedy
-        rows are picked by `greedy_token_ids`, the engine's own argmax."""
-
+    def select(self, seqs, plan: StepPlan, logits, counts: dict | None) -> list[list[int]]:
+        """Each sequence's emitted tokens: its picks at its rows of `logits` (engine/sampling.py's
+        choice, as plain decoding makes it), up to and including the first that differs from its
+        draft (see the module's rule); one pick each in a step without drafts."""
+        if not plan.verifying:
+            if not all(plan.in_prefill):
+                self.plain_decode_steps += 1  # a decode step without drafts (none found, or the batch policy)
+            return [[t] for t in choose_tokens(logits, [seq.request.sampling for seq in seqs],
+                                                [len(seq.output_ids) for seq in seqs], counts)]
         params, positions = [], []
-        for seq, d in zip(seqs, drafts):
+        for seq, d in zip(seqs, plan.drafts):
             n = len(seq.output_ids)
             params.extend([seq.request.sampling] * (len(d) + 1))
             positions.extend(range(n, n + len(d) + 1))
-        if all(p.greedy for p in params):
-            picks, drawn = greedy_token_ids(logits), 0
-        else:
-            picks, drawn = sample_token_ids(logits, params, positions)
-            if counts is not None:
-                for p in {p.setting() for p in params if not p.greedy}:
-                    counts["settings"].add(p)
-        if counts is not None:
-            counts["sampled_positions"] += drawn
-            counts["greedy_positions"] += len(params) - drawn
+        picks = choose_tokens(logits, params, positions, counts)
         emitted, at = [], 0
-        for d in drafts:
+        for d in plan.drafts:
             row = picks[at:at + len(d) + 1]
             at += len(d) + 1
             kept = 0
@@ -231,10 +241,6 @@ class Speculator:
                 self._count(len(d), kept)
         self.verify_steps += 1
         return emitted
-
-    def plain_step(self) -> None:
-        """A decode step ran without drafts (none found, or the batch policy)."""
-        self.plain_decode_steps += 1
 
     def _count(self, drafted: int, kept: int) -> None:
         self.drafted += drafted

@@ -16,7 +16,7 @@ from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import OutOfBlocks
 from moebench.engine.model import build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel
-from moebench.engine.routing_stats import RoutingStats
+from moebench.engine.moe import RoutingStats
 from moebench.errors import MoebenchError
 from benchmark_scripts import load_benchmark
 from tiny_bailing import SHAPES, add_mtp_layer, make_tiny_bailing

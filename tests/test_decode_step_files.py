@@ -18,17 +18,24 @@ from moebench.engine.sequence import Sequence
 
 # the files a native decode step runs Python code in (docs/architecture.md, "One decode step")
 STEP_FILES = {"engine/llm_engine.py", "engine/scheduler.py", "engine/sequence.py", "engine/kv_cache.py",
-              "engine/runner.py", "engine/moe.py", "engine/routing_stats.py", "engine/store/resident.py"}
+              "engine/runner.py", "engine/moe.py", "engine/sampling.py", "engine/store/resident.py"}
 
 
-def one_decode_step_calls(monkeypatch):
+# the files a decode step of the default ablation's baseline runs Python code in: the chained path with
+# the naive kernel's per-expert loop (kernels/reference.py) over an offloaded store (store/native.py)
+BASELINE_FILES = {"engine/llm_engine.py", "engine/scheduler.py", "engine/sequence.py", "engine/kv_cache.py",
+                  "engine/runner.py", "engine/model.py", "engine/moe.py", "engine/sampling.py",
+                  "engine/store/native.py", "kernels/reference.py"}
+
+
+def one_decode_step_calls(monkeypatch, kernel="fused", decode_path="native", budget=1.0):
     from moebench.kernels import cpu_moe
     from moebench.measuring.run import bundled_model_path
 
     if cpu_moe.load_extension() is None:
         pytest.skip("the C++ extension did not build here: no native decode path")
     ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32, experts_in_checkpoint_dtype=True)
-    rt = RuntimeConfig(kernel="fused", decode_path="native", expert_budget=1.0, batch_size=4,
+    rt = RuntimeConfig(kernel=kernel, decode_path=decode_path, expert_budget=budget, batch_size=4,
                        max_new_tokens=16, offload_tier="host")
     session = Engine(ckpt, None, rt).session(64)
     for i in range(4):
@@ -51,7 +58,7 @@ def one_decode_step_calls(monkeypatch):
     finally:
         sys.setprofile(None)
     session.close()
-    assert record["phase"] == "decode" and session.evidence()["decode_path"]["path"] == "native"
+    assert record.phase == "decode" and session.evidence()["decode_path"]["path"] == decode_path
     return calls, lookups
 
 
@@ -60,9 +67,10 @@ def test_a_native_decode_step_looks_nothing_up_and_stays_in_its_files(monkeypatc
     assert lookups == []  # the extension was looked up once per session, not in the step
     assert "kernels/build.py" not in calls and "kernels/cpu_moe.py" not in calls
     assert "engine/config.py" not in calls and "engine/families.py" not in calls  # per-session constants
-    assert "engine/sampling.py" not in calls  # greediness fixed when the request's params were made
+    assert calls["engine/sampling.py"] == ["choose_tokens", "<genexpr>", "<genexpr>", "<genexpr>", "<genexpr>",
+                                           "<genexpr>", "greedy_token_ids"]  # greediness fixed with the params
     assert set(calls) <= STEP_FILES, sorted(set(calls) - STEP_FILES)
-    assert calls["engine/routing_stats.py"].count("record") == 0  # every layer recorded in one call
+    assert calls["engine/moe.py"].count("record") == 0  # every layer recorded in one call
 
 
 def test_greediness_is_fixed_with_the_params_and_leaves_equality_alone():
@@ -72,3 +80,12 @@ def test_greediness_is_fixed_with_the_params_and_leaves_equality_alone():
     assert pickle.loads(pickle.dumps(sampled)) == sampled and not pickle.loads(pickle.dumps(sampled)).greedy
     assert SamplingParams(0.7, seed=3) == sampled and hash(SamplingParams(0.7, seed=3)) == hash(sampled)
     assert "greedy" not in repr(sampled)
+
+
+def test_the_default_ablations_baseline_step_stays_in_its_files(monkeypatch):
+    """The baseline step runs its layer loop in Python, with nothing looked up per call: the ops it
+    runs were bound when the session's runner was made."""
+    calls, lookups = one_decode_step_calls(monkeypatch, kernel="naive", decode_path="chained", budget=0.5)
+    assert lookups == []
+    assert set(calls) <= BASELINE_FILES, sorted(set(calls) - BASELINE_FILES)
+    assert "engine/store/expert_store.py" not in calls  # prefetch=off has no hooks to call

@@ -9,7 +9,7 @@ from moebench.engine.kv_cache import BlockManager, KVCache
 from moebench.engine.model import MoeTransformer, build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel
 from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
-from moebench.engine.routing_stats import RoutingStats
+from moebench.engine.moe import RoutingStats
 from tiny_models import FAMILIES, make_tiny_checkpoint
 
 PROMPT_LENGTHS = (5, 11, 17)

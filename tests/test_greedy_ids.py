@@ -2,7 +2,7 @@
 
 import torch
 
-from moebench.engine.llm_engine import greedy_token_ids
+from moebench.engine.sampling import greedy_token_ids
 
 
 def test_greedy_ids_are_torch_argmax_with_ties_and_nan():

@@ -10,7 +10,7 @@ from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.kv_cache import KVCache
 from moebench.engine.model import MoeTransformer, build_forward_batch
 from moebench.engine.moe import MoeBlock, make_kernel
-from moebench.engine.routing_stats import RoutingStats
+from moebench.engine.moe import RoutingStats
 from tiny_models import make_tiny_checkpoint
 
 BLOCK = 4

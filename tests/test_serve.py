@@ -284,13 +284,13 @@ def test_streamed_pieces_add_up_to_the_final_text_and_never_show_a_stop_string()
 ENGINE_FAILS_AFTER_20_STEPS = """
 import sys
 from moebench.engine import llm_engine
-step, steps = llm_engine.Engine._step, [0]
+step, steps = llm_engine.EngineSession.step, [0]
 def failing_step(self, *args, **kwargs):
     steps[0] += 1
     if steps[0] > 20:
         raise RuntimeError("injected engine failure")
     return step(self, *args, **kwargs)
-llm_engine.Engine._step = failing_step
+llm_engine.EngineSession.step = failing_step
 sys.argv = ["moebench", "serve", "--port", "0"]
 from moebench.cli.app import main
 main()

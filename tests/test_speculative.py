@@ -14,6 +14,7 @@ import torch
 from moebench.engine import Engine, Request, RuntimeConfig
 from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.engine.sequence import Sequence
+from moebench.engine.runner import StepPlan
 from moebench.engine.speculative import SpecSettings, Speculator, ngram_draft
 from moebench.errors import MoebenchError
 from moebench.suites import load_suite
@@ -192,8 +193,15 @@ def _emitted(logits_row, params, draft, n, start=0):
     spec = Speculator(SpecSettings("ngram", len(draft)))
     seqs = [Sequence(Request(str(i), "", 8, (), replace(params, seed=start + i)), [0], 8, 0.0) for i in range(n)]
     rows = torch.tensor(np.tile(logits_row, (n * (len(draft) + 1), 1)))
-    out = spec.select(seqs, rows, [list(draft)] * n, None, lambda x: x.argmax(-1).tolist())
+    out = spec.select(seqs, _verifying(seqs, [list(draft)] * n), rows, None)
     return np.array([e[0] for e in out]), spec
+
+
+def _verifying(seqs, drafts):
+    """The plan of a step in which `seqs` (one new token each, 0) verify `drafts`."""
+    new = [[0] for _ in seqs]
+    rows, cached, tables, counts = Speculator.rows(seqs, new, drafts)
+    return StepPlan(new, [False] * len(seqs), rows, cached, tables, drafts, counts)
 
 
 @pytest.mark.parametrize("top_k", [None, 3])
@@ -230,7 +238,7 @@ def test_acceptance_stops_at_the_first_rejection_and_emits_the_correction():
     seq = Sequence(Request("a", "", 8), [0], 8, 0.0)
     spec = Speculator(SpecSettings("ngram", 3))
     logits = torch.tensor(np.tile(row, (4, 1)))
-    out = spec.select([seq], logits, [[3, 1, 3]], None, lambda x: x.argmax(-1).tolist())
+    out = spec.select([seq], _verifying([seq], [[3, 1, 3]]), logits, None)
     assert out == [[3, 3]]
     assert spec.accepted_hist == [0, 1, 0, 0]
     assert spec.accepted_at == [1, 0, 0] and spec.drafted_at == [1, 1, 1]

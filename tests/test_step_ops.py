@@ -17,7 +17,7 @@ from moebench.engine.kv_cache import KVCache
 from moebench.engine.overrides import Overrides
 from moebench.engine.model import MoeTransformer, RotaryEmbedding, build_forward_batch, cpu_step_ops, rms_norm
 from moebench.engine.moe import MoeBlock, make_kernel
-from moebench.engine.routing_stats import RoutingStats
+from moebench.engine.moe import RoutingStats
 from moebench.kernels import cpu_routing
 from moebench.kernels.cpu_attention import paged_decode_attention
 from moebench.kernels.reference import route_softmax_topk
@@ -306,11 +306,11 @@ def _torch_routing_summary(steps, num_layers, num_experts):
 
 @pytest.mark.parametrize("counting", ["extension", "numpy"])
 def test_routing_stats_match_torch_counting(counting, monkeypatch):
-    from moebench.engine import routing_stats
+    from moebench.engine import moe as routing_stats
 
     if counting == "numpy":
-        monkeypatch.setattr(routing_stats, "_extension", lambda: None)
-    elif routing_stats._extension() is None:
+        monkeypatch.setattr(routing_stats, "_routing_extension", lambda: None)
+    elif routing_stats._routing_extension() is None:
         pytest.skip("the CPU extension is not available")
     g = torch.Generator().manual_seed(0)
     for trial in range(40):

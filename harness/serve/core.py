@@ -96,7 +96,7 @@ class EngineCore:
                 if not self._handle(conn.recv()):
                     return
             if session.has_work():
-                record = session.step()
+                record = session.step().to_dict()
                 self._publish(session.last_batch, record)
 
     def _gather(self) -> bool:
