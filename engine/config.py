@@ -130,6 +130,37 @@ def parse_transformer_config(raw: dict, path: Path) -> ModelConfig:
     )
 
 
+# --expert-budget sizes: longest units first (GIB before GB)
+BUDGET_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+BUDGET_FORMS = "a fraction such as 0.5 or a size such as 8GB (GB, MB, KB, GiB, MiB, KiB)"
+
+
+def parse_budget(text) -> float | str:
+    """--expert-budget, the one parser of it (the ablation matrix, serve, lm-eval and the store
+    factory read budgets through it): a fraction in (0, 1], or a size kept as its text (8GB)."""
+    text = str(text).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        budget_bytes(text)  # a size: its unit and number checked here, once
+        return text
+    if not 0 < value <= 1:
+        raise MoebenchError(f"--expert-budget: a fraction must be in (0, 1], got {value}")
+    return value
+
+
+def budget_bytes(text: str) -> float:
+    """The bytes of a size budget (parse_budget's text form)."""
+    t = str(text).strip().upper().replace(" ", "")
+    for unit, scale in BUDGET_UNITS.items():
+        if t.endswith(unit):
+            try:
+                return float(t[: -len(unit)]) * scale
+            except ValueError:
+                break
+    raise MoebenchError(f"--expert-budget: expected {BUDGET_FORMS}, got '{text}'")
+
+
 KERNELS = ("naive", "fused")
 SCHEDULERS = ("static", "continuous")
 PREFETCHERS = ("off", "lookahead")

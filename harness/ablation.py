@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from moebench.engine.config import parse_budget  # noqa: F401 (--expert-budget's one parser; imported from here)
 from moebench.errors import MoebenchError
 
 SWITCHES = ("kernel", "scheduler", "prefetch")
@@ -192,17 +193,3 @@ def runtime_for(base, cfg: ConfigPoint):
     if getattr(cfg, "expert_budget", None) is not None:  # a reference config's own budget
         rt = replace(rt, expert_budget=parse_budget(cfg.expert_budget))
     return rt
-
-
-def parse_budget(text: str) -> float | str:
-    """--expert-budget as a fraction in (0, 1] or a size string (8GB)."""
-    text = str(text).strip()
-    try:
-        value = float(text)
-    except ValueError:
-        if text.upper().endswith(("GB", "MB", "GIB", "MIB")):
-            return text
-        raise MoebenchError(f"--expert-budget: expected a fraction such as 0.5 or a size such as 8GB, got '{text}'") from None
-    if not 0 < value <= 1:
-        raise MoebenchError(f"--expert-budget: a fraction must be in (0, 1], got {value}")
-    return value

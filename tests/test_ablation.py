@@ -47,3 +47,17 @@ def test_ablation_stops_when_an_optimization_leaves_no_evidence(model, data, tmp
     assert exc.value.code == 2
     assert "kernel=fused but the fused kernel ran 0 times" in err
     assert not list((tmp_path / "r").glob("*/samples.jsonl"))
+
+
+def test_one_budget_parser_for_the_matrix_and_the_store():
+    """--expert-budget is parsed in one place (engine/config.py): every unit the store sizes a pool by
+    is accepted where the run checks its arguments, and a size that is no size is refused there."""
+    from moebench.ablation import parse_budget
+    from moebench.engine.config import budget_bytes
+    from moebench.errors import MoebenchError
+
+    assert parse_budget("0.5") == 0.5 and parse_budget(" 8GB ") == "8GB" and budget_bytes("8GB") == 8e9
+    assert budget_bytes(parse_budget("512 KiB")) == 512 * 1024
+    for bad in ("abcGB", "8 bytes", "1.5"):
+        with pytest.raises(MoebenchError, match="--expert-budget"):
+            parse_budget(bad)

@@ -9,23 +9,10 @@ import os
 
 import torch
 
+from moebench.engine.config import budget_bytes
 from moebench.engine.store.expert_store import NoPrefetch, ResidentStore
 from moebench.engine.store.tiers import expert_file_dtype, make_tier
 from moebench.errors import MoebenchError
-
-_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
-
-
-def _budget_bytes(text: str) -> float:
-    t = text.strip().upper().replace(" ", "")
-    for unit, scale in _UNITS.items():  # longest units first: GIB before GB
-        if t.endswith(unit):
-            try:
-                return float(t[: -len(unit)]) * scale
-            except ValueError:
-                break
-    raise MoebenchError(f"--expert-budget: expected a fraction such as 0.5 or a size such as 8GB, got '{text}'")
-
 
 def _machine_bytes(device: str) -> int:
     if device == "cuda":
@@ -50,7 +37,7 @@ def slots_for_budget(cfg, runtime, dtype: torch.dtype | None = None) -> int:
         fraction = float(budget)
         size = None
     except (TypeError, ValueError):
-        fraction, size = None, _budget_bytes(str(budget))
+        fraction, size = None, budget_bytes(str(budget))
     if fraction is not None:
         if not (0 < fraction <= 1) or math.isnan(fraction):
             raise MoebenchError(f"--expert-budget: a fraction must be in (0, 1], got {budget}")
