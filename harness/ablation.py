@@ -144,7 +144,8 @@ def decode_path_points(points: list[ConfigPoint]) -> list[ConfigPoint]:
 
 def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = False,
                     speculative: str | None = None, lm_heads: tuple[str, ...] = (),
-                    weights: tuple[str, ...] = (), decode_paths: bool = False) -> list[ConfigPoint]:
+                    weights: tuple[str, ...] = (), decode_paths: bool = False,
+                    approximate_stacked: bool = False) -> list[ConfigPoint]:
     """Baseline, each available optimization alone, all of them stacked; or every combination.
 
     Stacked prefixes (kernel, kernel+scheduler) are added too, so the report can draw the waterfall.
@@ -152,6 +153,8 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
     of `lm_heads` then adds the baseline with that LM head and, where switches are ablated too, every
     available switch on with that LM head (what a user would deploy); each precision of `weights`
     likewise. `decode_paths` adds the decode-path axis's points (decode_path_points).
+    `approximate_stacked` keeps only the latter (the approximate precision on every available switch),
+    where switches are ablated: they are exact, so the pair is still judged against the baseline.
     """
     def build(on: set[str]) -> ConfigPoint:
         return point(**{s: (ON[s] if s in on else OFF[s]) for s in SWITCHES})
@@ -171,12 +174,15 @@ def ablation_matrix(available: tuple[str, ...] = SWITCHES, factorial: bool = Fal
         points += speculative_points(available, speculative)
     if decode_paths:
         points += decode_path_points(points)
+    alone = not (approximate_stacked and available)
     for head in lm_heads:
-        points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], lm_head=head))
+        if alone:
+            points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], lm_head=head))
         if available:
             points.append(point(**{s: (ON[s] if s in available else OFF[s]) for s in SWITCHES}, lm_head=head))
     for precision in weights:
-        points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], weights=precision))
+        if alone:
+            points.append(point(OFF["kernel"], OFF["scheduler"], OFF["prefetch"], weights=precision))
         if available:
             points.append(point(**{s: (ON[s] if s in available else OFF[s]) for s in SWITCHES}, weights=precision))
     return points

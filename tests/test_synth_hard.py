@@ -45,9 +45,15 @@ def test_answers_are_arithmetically_correct_and_in_range(test_items, train_items
         assert check_answer(it.answer), it.answer
         assert it.answer.endswith(f"#### {it.target}") and re.fullmatch(r"\d+", it.target)
         assert synth_hard.MIN_STEPS <= it.answer.count("<<") <= synth_hard.MAX_STEPS
-        for a, op, b in re.findall(r"<<(\d+)([+\-*/])(\d+)=", it.answer):
+        nums = synth_hard.HARD
+        # a sum of two people, and what a person receives, take the giver's amounts: the rest follow the ranges
+        steps = "\n".join(ln for ln in it.answer.splitlines() if not ln.startswith(("Together", "With the gift")))
+        for a, op, b in re.findall(r"<<(\d+)([+\-*/])(\d+)=", steps):
             if op in "*/":
-                assert 2 <= int(b) <= 9, it.answer
+                assert 2 <= int(b) <= 9 and int(a) < (nums.mul_below if op == "*" else nums.div_below), it.answer
+            elif int(a) >= nums.two_digit_below:
+                assert int(b) <= 9, it.answer
+            assert int(a) < nums.max_value, it.answer
         assert "\n\n" not in it.answer and "Question:" not in it.answer
 
 
@@ -56,8 +62,9 @@ def test_hard_features_are_all_present(test_items):
     n = len(test_items)
     steps = {it.answer.count("<<") for it in test_items}
     assert steps == set(range(synth_hard.MIN_STEPS, synth_hard.MAX_STEPS + 1))
-    assert sum(int(it.target) >= 1000 for it in test_items) > n * 0.05
-    assert sum(bool(re.search(r"<<\d+[+-]\d\d=", it.answer)) for it in test_items) > n * 0.8  # two-digit operands
+    assert sum(int(it.target) >= 100 for it in test_items) > n * 0.7  # into the hundreds
+    assert any(int(it.target) >= 1000 for it in test_items)
+    assert sum(bool(re.search(r"<<\d+[+-]\d\d=", it.answer)) for it in test_items) > n * 0.6  # two-digit operands
     distractors = [re.compile(re.escape(d).replace(r"\{who\}", r"\w+").replace(r"\{n\}", r"\d+"))
                    for d in synth_hard.DISTRACTORS]
     with_distractor = sum(any(d.search(it.question) for d in distractors) for it in test_items)
@@ -70,6 +77,16 @@ def test_hard_features_are_all_present(test_items):
         used = set(re.findall(r"\d+", it.answer))
         unused += any(num not in used for num in re.findall(r"\d+", it.question))
     assert unused > n * 0.85
+
+
+def test_wide_numbers_are_the_same_stories_with_larger_amounts():
+    """The first training stage's problems (synth_hard.WIDE): amounts into the thousands, two-digit
+    operands on any amount; train bucket only, like every training stream."""
+    wide = synth_hard.generate_split("train", 300, seed=12345, nums=synth_hard.WIDE)
+    assert all(check_answer(p.answer) and not is_test_question(p.question) for p in wide)
+    assert sum(bool(re.search(r"<<\d{3,}[+-]\d\d=", p.answer)) for p in wide) > 100
+    assert max(int(p.target) for p in wide) > synth_hard.HARD.max_value
+    assert wide != synth_hard.generate_split("train", 300, seed=12345)
 
 
 def test_train_and_test_are_disjoint_by_construction(test_items, train_items):

@@ -27,6 +27,7 @@ def run_command(
     axes: Optional[str] = typer.Option(None, "--axes", help="With --ablate: the axes to ablate, comma-separated from kernel, scheduler, prefetch, speculative, lm-head, weights, decode-path (default: the three switches). speculative adds speculative=METHOD (--speculative, default ngram) and, with switches, all+speculative=METHOD; exact like the switches. lm-head is approximate: its configs (lm-head=bf16/int8/fp8, or the one --lm-head names) get accuracy verdicts, no identical-output claim; so is weights (weights=int8). decode-path adds decode-path=native (the fused kernel, every layer of a decode step in one C++ call; every expert resident) with its own speedup against kernel (the fused kernel on the chained path)."),
     lm_head: Optional[str] = LM_HEAD,
     weights: str = WEIGHTS,
+    approximate_stacked: bool = typer.Option(False, "--approximate-stacked", help="With --ablate: the approximate configs (lm-head, weights) only on top of every ablated switch, not also alone. The switches are exact, so each is still judged against the baseline, at the fused kernel's cost instead of twice (how the reference protocol fits 1319 items x 5 trials in an hour on 2 cores)."),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Trials per config (default 3 with --ablate, else 1)."),
     warmup: int = typer.Option(4, "--warmup", help="Items run per config before measuring (also checks activation)."),
     batch_size: int = BATCH_SIZE,
@@ -67,7 +68,7 @@ def run_command(
         args = dict(
             model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
-            factorial=factorial, axes=axes, lm_head=lm_head, weights=weights, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            factorial=factorial, axes=axes, lm_head=lm_head, weights=weights, approximate_stacked=approximate_stacked, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,

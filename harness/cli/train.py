@@ -11,7 +11,8 @@ import typer
 # Not the bundled model's own folder inside the installed package: retraining must not silently
 # replace the model that every default run uses. Pass that folder as --out to mean it.
 DEFAULT_OUT = Path("trained") / "gsm-synth-moe"
-DEFAULT_OUTS = {"easy": DEFAULT_OUT, "hard": Path("trained") / "gsm-synth-hard-moe"}
+DEFAULT_OUTS = {"easy": DEFAULT_OUT, "hard": Path("trained") / "gsm-synth-hard-moe",
+                "hard-wide": Path("trained") / "gsm-synth-hard-wide-moe"}
 
 
 def train_bundled_command(
@@ -19,7 +20,8 @@ def train_bundled_command(
                                                      "or trained/gsm-synth-hard-moe with --level hard). The model moebench ships "
                                                      "(moebench/bundled/...) is replaced only if --out names its folder.")] = None,
     level: Annotated[str, typer.Option(help="Which level of the synthetic suite to train for: easy (gsm-synth, the "
-                                            "default model) or hard (gsm-synth-hard; docs/gsm-synth-hard.md).")] = "easy",
+                                            "default model), hard (gsm-synth-hard; docs/gsm-synth-hard.md) or hard-wide (its stories with "
+                                            "wider numbers: the first stage of the hard level's model).")] = "easy",
     minutes: Annotated[float, typer.Option(help="Wall-time cap for training (minutes).")] = 45.0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     steps: Annotated[int, typer.Option(help="Optimizer steps (the time budget may stop training earlier).")] = 3200,

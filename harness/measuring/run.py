@@ -426,11 +426,16 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if path_axis and path not in ("auto", "chained", "native"):
             raise MoebenchError(f"--axes decode-path compares native with the chained path: --decode-path {path} "
                                 "cannot be its reference")
-        return ablation_matrix(switches, factorial=args["factorial"],
+        stacked = bool(args.get("approximate_stacked"))  # (a manifest from before the option: False)
+        if stacked and not (switches and (heads or precisions)):
+            raise MoebenchError("--approximate-stacked needs a switch and lm-head or weights in --axes")
+        return ablation_matrix(switches, factorial=args["factorial"], approximate_stacked=stacked,
                                speculative=(method if method != "off" else "ngram") if spec_axis else None,
                                lm_heads=heads, weights=precisions, decode_paths=path_axis)
     if args.get("axes"):
         raise MoebenchError("--axes needs --ablate")
+    if args.get("approximate_stacked"):
+        raise MoebenchError("--approximate-stacked needs --ablate")
     return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head, weights=weights)]
 
 

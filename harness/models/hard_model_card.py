@@ -18,6 +18,8 @@ def write_hard_model_card(out: Path, r: dict) -> None:
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     stopped = (" The wall-time budget ended training; the learning-rate schedule follows the larger of step and "
                "time progress, so a time-limited run is not bit-reproducible." if r.get("time_limited") else "")
+    init = (f"; started from `{r['init_from']}`, sha256 {r['init_sha256'][:16]}..., whose making "
+            "docs/gsm-synth-hard.md gives" if r.get("init_from") else "")
     text = f"""# gsm-synth-hard-moe: the bundled model of the hard level
 
 A small mixture-of-experts model in the Hugging Face `qwen3_moe` format, trained from scratch by
@@ -42,17 +44,17 @@ at temperature 0.6.
 events change one person's amount or move some from one to another, and sentences with numbers
 that do not matter are mixed into {100 * synth_hard.DISTRACTOR_CHANCE:.0f}% of stories. The question asks about one
 person or two together; the solution follows only what the question needs, {synth_hard.MIN_STEPS} to
-{synth_hard.MAX_STEPS} lines with a calculator annotation each, then `#### N`. Values stay below
-{synth_hard.MAX_VALUE} (a sum of two people can pass it); added and subtracted operands have two digits,
-multipliers and divisors one. Train and test are split by a hash of the question text: the
-{synth_hard.TEST_SIZE} test items (`gsm-synth-hard/test/N`) are never seen in training.
+{synth_hard.MAX_STEPS} lines with a calculator annotation each, then `#### N`. Amounts stay below
+{synth_hard.HARD.max_value} (a sum of two people can pass it); amounts below {synth_hard.HARD.two_digit_below} get two-digit operands for + and -,
+larger ones one digit; multipliers and divisors have one digit. Train and test are split by a hash of
+the question text: the {synth_hard.TEST_SIZE} test items (`gsm-synth-hard/test/N`) are never seen in training.
 
 Training text is the evaluation format, `Question: {{q}}\\nAnswer: {{answer}}` + EOS, loss on the answer.
 Training problems: {r.get('data', 'the train bucket')}.
 
 ## Training
 
-`{r['command']}` (`harness/models/train.py`, the same loop as the easy level's model): AdamW, warmup
+`{r['command']}` (`harness/models/train.py`, the same loop as the easy level's model{init}): AdamW, warmup
 then cosine decay, gradient clipping 1.0, load-balancing loss, float32 on one CPU thread, fresh
 problems every step. {r['steps']} steps of {r.get('batch_size', '?')} sequences, seed {r['seed']}, {r['train_minutes']} min wall time on a
 shared 2-core CPU.{stopped} `train_log.txt` has the loss and held-out greedy accuracy along the way.

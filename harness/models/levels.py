@@ -41,12 +41,19 @@ class Level:
     module: str          # the module that generates its problems (iter_problems, generate_split)
     bundled: Path        # the bundle moebench ships for it
     model_config: dict = field(default_factory=dict)
+    numbers: str = ""    # the module's number ranges to train on (its default where empty)
 
     def problems(self) -> ModuleType:
         return importlib.import_module(self.module)
+
+    def generator_kwargs(self) -> dict:
+        return {"nums": getattr(self.problems(), self.numbers)} if self.numbers else {}
 
 
 LEVELS = {
     "easy": Level("easy", "gsm-synth", "moebench.suites.synth", BUNDLED_MODEL, EASY_CONFIG),
     "hard": Level("hard", "gsm-synth-hard", "moebench.suites.synth_hard", BUNDLED_HARD_MODEL, HARD_CONFIG),
+    # the hard level's stories with its wider numbers (synth_hard.WIDE): the first stage of its model
+    "hard-wide": Level("hard-wide", "gsm-synth-hard", "moebench.suites.synth_hard", BUNDLED_HARD_MODEL, HARD_CONFIG,
+                       numbers="WIDE"),
 }

@@ -152,7 +152,7 @@ def batches(tok, rng: random.Random, batch_size: int, exclude: set[str], seed: i
     """Endless training batches: (ids [B,T], labels [B,T], valid [B,T]); loss on the answer only."""
     from moebench.suites.synth import format_prompt
 
-    stream = level.problems().iter_problems("train", seed=seed + TRAIN_STREAM_OFFSET)
+    stream = level.problems().iter_problems("train", seed=seed + TRAIN_STREAM_OFFSET, **level.generator_kwargs())
     while True:
         probs = []
         while len(probs) < batch_size * pool:
@@ -192,7 +192,8 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
     from moebench.suites.synth import format_training_text
 
     lvl = LEVELS[level]
-    generate_split = lvl.problems().generate_split
+    def generate_split(split, n, seed=None):
+        return lvl.problems().generate_split(split, n, seed, **lvl.generator_kwargs())
 
     # one thread: on a shared 2-core machine, 2 OpenMP threads ran up to 8x slower
     torch.set_num_threads(threads)
@@ -296,7 +297,8 @@ def train(out: Path = BUNDLED_DIR, minutes: float = 45.0, seed: int = 0, steps: 
               "params": nparams}
     if level != "easy" or init_from is not None:  # the easy bundle's record predates these fields
         result.update(level=level, suite=lvl.suite, batch_size=batch_size, lr=lr,
-                      data=f"{lvl.module}.iter_problems('train', seed={seed + TRAIN_STREAM_OFFSET}), "
+                      data=f"{lvl.module}.iter_problems('train', seed={seed + TRAIN_STREAM_OFFSET}"
+                           f"{', nums=' + lvl.numbers if lvl.numbers else ''}), "
                            f"minus {eval_items} validation problems from seed {seed + VALIDATION_OFFSET}")
         if init_from is not None:
             result.update(init_from=str(init_from),
