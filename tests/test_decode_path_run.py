@@ -94,3 +94,27 @@ def test_models_that_cannot_run_native_are_refused_in_one_line(capsys, monkeypat
                             *SMALL, "--out", tmp_path / "out")
         line = one_line(err)
         assert code == 2 and needle in line and f"decode path '{path}' cannot run" in line, err
+
+
+def test_a_batch_the_step_ops_do_not_take_is_counted_as_such():
+    """A decode step of more rows than the step ops stream runs the ops one by one; the runner counts
+    it under its own name, so the evidence never says chained (or native) for a step that was not."""
+    import torch
+
+    from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+    from moebench.engine.runner import LAYER_BY_LAYER, NATIVE, OVER_ROWS, STEP_OP_MAX_ROWS
+    from moebench.measuring.run import bundled_model_path
+
+    needs_extension()
+    ckpt = load_checkpoint(bundled_model_path(), dtype=torch.float32, experts_in_checkpoint_dtype=True)
+    n = STEP_OP_MAX_ROWS + 4
+    requests = [Request(f"r{i}", "", 3) for i in range(n)]
+    prompts = [[5 + i % 7, 6, 7] for i in range(n)]
+    for path, kind in (("chained", LAYER_BY_LAYER), ("native", NATIVE)):
+        rt = RuntimeConfig(kernel="fused", decode_path=path, batch_size=n, max_new_tokens=3)
+        result = Engine(ckpt, None, rt).generate(requests, prompt_ids=prompts)
+        steps = result.evidence["decode_path"]["decode_steps"]
+        assert steps.get(OVER_ROWS, 0) > 0 and kind not in steps, (path, steps)
+        assert result.evidence["decode_path"]["path"] == path
+        if path == "native":  # no decode step ran in one call: that is an activation error, not a result
+            assert any("no decode step ran in one native call" in e for e in result.activation_errors)
