@@ -52,6 +52,7 @@ TWO_PROFILES = """
     field = "evidence.kernel.fused_calls"
     at_least = 1
     when = "end"
+    kind = "runtime"                  # a counter only the fused kernel moves
 """
 
 
