@@ -50,7 +50,8 @@ EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attenti
                       tuple(CFLAGS), (),
                       estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load",
                       headers=tuple(CSRC.with_name(h) for h in ("cpu_common.h", "spin.h", "norms_cpu.h", "pool.h", "ops.h",
-                                                                "weight_format.h", "distinct_experts.h")))
+                                                                "weight_format.h", "distinct_experts.h",
+                                                                "int4_cpu.h")))
 
 BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"
@@ -94,7 +95,8 @@ def weight_formats(use: str) -> dict:
         ext = load_extension()
         if ext is None:
             return {}
-        _formats[use] = {getattr(torch, f["dtype"]): f for f in ext.weight_formats() if use in f["uses"]}
+        _formats[use] = {getattr(torch, f.get("torch_dtype", f["dtype"])): f for f in ext.weight_formats()
+                         if use in f["uses"]}
     return _formats[use]
 
 

@@ -142,8 +142,8 @@ def test_the_kernels_and_python_read_one_weight_format_table():
 
     if load_extension() is None:
         pytest.skip("needs the C++ extension")
-    assert set(weight_formats("experts")) == {torch.float32, torch.bfloat16, torch.int8}
-    assert set(weight_formats("dense")) == {torch.float32, torch.bfloat16, torch.int8}
+    assert set(weight_formats("experts")) == {torch.float32, torch.bfloat16, torch.int8, torch.uint8}  # uint8: int4
+    assert set(weight_formats("dense")) == {torch.float32, torch.bfloat16, torch.int8, torch.uint8}
     head = weight_formats("lm_head")
     assert set(head) == {torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn}
     assert weight_formats("dense")[torch.int8]["row_extra"] == 8 and head[torch.int8]["scale_tensor"]

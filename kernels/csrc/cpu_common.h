@@ -275,3 +275,6 @@ inline void dot_rows_streamed(Row row, int64_t rows, int64_t tokens, const float
 }
 
 }  // namespace moebench_cpu
+
+// int4 rows (Q4_0 blocks): the overloads the templates above pick for them
+#include "int4_cpu.h"

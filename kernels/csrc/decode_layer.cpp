@@ -95,10 +95,13 @@ class DecodeLayers {
       l.post_norm = vector_of(post_norm[i], hidden_, "post_norm");
       l.router = matrix(router[i], hidden_, "router");
       TORCH_CHECK(l.router.size(0) == experts_, "DecodeLayers: every router must score the same experts");
-      const bool packed = w13[i].scalar_type() == torch::kChar;  // int8 rows with their scales (--weights int8)
-      const int64_t extra = packed ? moebench_cpu::kPackedExtra : 0, inter = w13[i].size(1) / 2;
-      TORCH_CHECK(w13[i].dim() == 3 && w2[i].dim() == 3 && w13[i].size(0) == experts_ && w2[i].size(0) == experts_ &&
-                      w13[i].size(2) == hidden_ + extra && w2[i].size(1) == hidden_ && w2[i].size(2) == inter + extra &&
+      // int8 rows with their scales, int4 rows in blocks (--weights): weight_format.h's stored widths
+      const moebench_cpu::WeightFormat* format =
+          moebench_cpu::weight_format(w13[i].scalar_type(), moebench_cpu::kExpertWeights);
+      const int64_t inter = w13[i].size(1) / 2;
+      TORCH_CHECK(format != nullptr && w13[i].dim() == 3 && w2[i].dim() == 3 && w13[i].size(0) == experts_ &&
+                      w2[i].size(0) == experts_ && w13[i].size(2) == moebench_cpu::stored_width(*format, hidden_) &&
+                      w2[i].size(1) == hidden_ && w2[i].size(2) == moebench_cpu::stored_width(*format, inter) &&
                       w13[i].size(1) == 2 * inter && w13[i].stride(2) == 1 && w2[i].stride(2) == 1 &&
                       w13[i].scalar_type() == w2[i].scalar_type() &&
                       moebench_cpu::takes_rows(w13[i], hidden_, moebench_cpu::kExpertWeights) &&
@@ -249,10 +252,11 @@ class DecodeLayers {
     return w;
   }
 
-  // The input width of a weight matrix: its columns, less a row's scale and padding for int8 rows
+  // The input width of a weight matrix: its columns, less a row's scale and padding for int8 rows;
+  // 32 values per 18-byte block for int4 rows
   static int64_t input_columns(const torch::Tensor& w) {
     const moebench_cpu::WeightFormat* f = moebench_cpu::weight_format(w.scalar_type(), moebench_cpu::kDenseWeights);
-    return w.size(1) - (f != nullptr ? f->row_extra : 0);
+    return f != nullptr ? moebench_cpu::input_width(*f, w.size(1)) : w.size(1);
   }
 
   // w as the float32 contiguous [n] vector the ops convert it to

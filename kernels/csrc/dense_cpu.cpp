@@ -199,10 +199,11 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
   }
   // 4 rows at a time, taken from four runs of the block read side by side (rows i, i + q, i + 2q,
   // i + 3q) as with fewer tokens, in chunks of K (see kChunk)
-  // int8 / fp8 rows: each chunk of the 4 rows is widened once into `wide` (4 KB, in L1) and every
-  // token group reads it there; widened in each group's FMA loop instead, it cost more than the
+  // int8 / fp8 / int4 rows: each chunk of the 4 rows is widened once into `wide` (4 KB, in L1) and
+  // every token group reads it there; widened in each group's FMA loop instead, it cost more than the
   // multiplies. Chunks do not change the sums (above), so K is always taken in chunks here.
-  constexpr bool kWiden = std::is_same_v<W, int8_t> || std::is_same_v<W, c10::Float8_e4m3fn>;
+  constexpr bool kQ4 = std::is_same_v<W, moebench_cpu::Q4>;  // int4 rows: whole blocks (K % 32 == 0)
+  constexpr bool kWiden = std::is_same_v<W, int8_t> || std::is_same_v<W, c10::Float8_e4m3fn> || kQ4;
   const int64_t q = (r1 - r0) / 4, K8 = K - K % 8;
   const int64_t chunk = kWiden || N >= kChunkFromTokens ? kChunk : std::max<int64_t>(K8, 8);
   moebench_cpu::count_tiled_rows(4 * q);
@@ -219,7 +220,9 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
         const float* xk = packed->vector(s0 / kSlab, k0 / 8, 0);
         if constexpr (kWiden) {
           for (int g = 0; g < 4; ++g)
-            for (int64_t k = k0; k < k1; k += 8) _mm256_store_ps(wide + g * kChunk + k - k0, load8(rows + g * q * ldw + k));
+            if constexpr (kQ4) moebench_cpu::q4_widen(rows + g * q * ldw, k0, k1, wide + g * kChunk);
+            else
+              for (int64_t k = k0; k < k1; k += 8) _mm256_store_ps(wide + g * kChunk + k - k0, load8(rows + g * q * ldw + k));
           tile_groups(static_cast<const float*>(wide), kChunk, xk, n, 0, k1 - k0, acc);
         } else {
           tile_groups(rows, q * ldw, xk, n, k0, k1, acc);
@@ -230,7 +233,8 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
         const int64_t r = r0 + i + g * q;
         for (int64_t t = 0; t < n; ++t) {
           float sum = hsum(acc[g * kSlab + t]);
-          for (int64_t kk = K8; kk < K; ++kk) sum += load1(row + kk) * xs[t * ldx + kk];
+          if constexpr (!kQ4)
+            for (int64_t kk = K8; kk < K; ++kk) sum += load1(row + kk) * xs[t * ldx + kk];
           out[(s0 + t) * ldo + r] = scale != nullptr ? finish_row(sum, scale, ss, bias, r)
                                                      : sum + (bias != nullptr ? bias[r] : 0.0f);
         }
@@ -306,6 +310,11 @@ void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const
       }
       break;
     case torch::kFloat8_e4m3fn: run(w.data_ptr<c10::Float8_e4m3fn>(), sp); break;
+    case torch::kByte:  // int4 rows, Q4_0 blocks (int4_cpu.h): the scales are in the blocks
+      TORCH_CHECK(K % moebench_cpu::kQ4Values == 0 && w.size(1) == moebench_cpu::q4_row_bytes(K),
+                  "dense_linear_into: int4 rows must be whole Q4_0 blocks, ", moebench_cpu::q4_row_bytes(K), " bytes");
+      run(reinterpret_cast<const moebench_cpu::Q4*>(w.data_ptr<uint8_t>()), nullptr);
+      break;
     default: TORCH_CHECK(false, "dense_linear_into: unsupported weight dtype ", w.scalar_type());
   }
 }
@@ -463,6 +472,9 @@ static pybind11::list weight_formats() {
     if (f.uses & moebench_cpu::kLmHeadWeights) uses.append("lm_head");
     pybind11::dict d;
     d["dtype"] = f.name;
+    d["torch_dtype"] = f.torch_dtype != nullptr ? f.torch_dtype : f.name;
+    d["block_values"] = f.block_values;
+    d["block_bytes"] = f.block_bytes;
     d["layout"] = f.layout;
     d["row_extra"] = f.row_extra;
     d["scale_tensor"] = f.scale_tensor;

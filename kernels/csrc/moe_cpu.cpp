@@ -223,7 +223,8 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   // work to another would cost more, and much more when another process holds a core.
   const double bytes = static_cast<double>(A) * 3.0 * H * I * sizeof(W) + 4.0 * P * (H + I);
   // what this call streams of the experts' rows (and, int8, of their scales): weight_stats
-  count_weights(1, std::is_same_v<W, float> ? torch::kFloat32 : std::is_same_v<W, int8_t> ? torch::kChar : torch::kBFloat16,
+  count_weights(1, std::is_same_v<W, float> ? torch::kFloat32 : std::is_same_v<W, int8_t> ? torch::kChar
+                   : std::is_same_v<W, moebench_cpu::Q4> ? torch::kByte : torch::kBFloat16,
                 A * (2 * I * s13r + H * s2r) * static_cast<int64_t>(sizeof(W)));
   if (bytes < kMinParallelBytes) num_threads = 1;
 
@@ -361,11 +362,14 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor topk_weights, torch::Tens
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1, "fused_moe_cpu: weight rows must be contiguous");
   const int64_t N = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
   const bool packed = w13.scalar_type() == torch::kChar;
-  const int64_t extra = packed ? moebench_cpu::kPackedExtra : 0;  // int8 rows carry their scale
-  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == H + extra, "fused_moe_cpu: w13 shape ", w13.sizes(),
-              " does not match hidden size ", H);
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I + extra, "fused_moe_cpu: w2 shape ", w2.sizes(),
-              " does not match w13 ", w13.sizes());
+  // int8 rows carry their scale, int4 rows are Q4_0 blocks (weight_format.h: stored_width)
+  const auto& format = *moebench_cpu::weight_format(w13.scalar_type(), moebench_cpu::kExpertWeights);
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == moebench_cpu::stored_width(format, H) &&
+                  moebench_cpu::takes_rows(w13, H, moebench_cpu::kExpertWeights),
+              "fused_moe_cpu: w13 shape ", w13.sizes(), " does not match hidden size ", H);
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == moebench_cpu::stored_width(format, I) &&
+                  moebench_cpu::takes_rows(w2, I, moebench_cpu::kExpertWeights),
+              "fused_moe_cpu: w2 shape ", w2.sizes(), " does not match w13 ", w13.sizes());
   TORCH_CHECK(!packed || (packed_int8(w13, H) && packed_int8(w2, I)),
               "fused_moe_cpu: int8 rows must be 4-byte aligned, with widths that are multiples of 4");
   auto tw = topk_weights.to(torch::kFloat32).contiguous();
@@ -385,7 +389,12 @@ void fused_moe_into(const float* x, int64_t ldx, int64_t N, const float* tw, con
   if (N == 0) return;
   const int64_t H = w2.size(1), E = w13.size(0), I = w13.size(1) / 2;
   const int threads = moebench_cpu::step_threads();
-  if (w13.scalar_type() == torch::kChar) {
+  if (w13.scalar_type() == torch::kByte) {  // int4 rows (int4_cpu.h)
+    using moebench_cpu::Q4;
+    moe_forward<Q4>(x, ldx, tw, ti, N, k, reinterpret_cast<const Q4*>(w13.data_ptr<uint8_t>()), w13.stride(0),
+                    w13.stride(1), reinterpret_cast<const Q4*>(w2.data_ptr<uint8_t>()), w2.stride(0), w2.stride(1), E, H,
+                    I, out, threads);
+  } else if (w13.scalar_type() == torch::kChar) {
     moe_forward<int8_t>(x, ldx, tw, ti, N, k, w13.data_ptr<int8_t>(), w13.stride(0), w13.stride(1),
                         w2.data_ptr<int8_t>(), w2.stride(0), w2.stride(1), E, H, I, out, threads);
   } else if (w13.scalar_type() == torch::kFloat32) {
