@@ -37,6 +37,7 @@ def main() -> int:
     from moebench.engine import Engine, RuntimeConfig, load_checkpoint
     from moebench.engine.loader import load_tokenizer
     from moebench.measuring.measure import _requests, run_sampling
+    from moebench.measuring.args import RunArgs
     from moebench.measuring.run import bundled_model_path
     from moebench.serve.app import ServeProcess
     from moebench.suites import load_suite
@@ -45,8 +46,7 @@ def main() -> int:
     path = bundled_model_path()
     suite = load_suite("gsm-synth", limit=args.items)
     tokenizer = load_tokenizer(path)
-    sampling = run_sampling({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                             "seed": args.seed})
+    sampling = run_sampling(RunArgs(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed))
     requests = _requests(suite, suite.items, args.max_new_tokens, sampling, args.trial)
     ckpt = load_checkpoint(path, dtype=torch.float32)
     runtime = RuntimeConfig(batch_size=16, max_new_tokens=args.max_new_tokens)

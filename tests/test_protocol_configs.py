@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from moebench.ablation import ablation_matrix
+from moebench.measuring.args import RunArgs
 from moebench.measuring.run import _exact_configs
 
 PROTOCOL = dict(kernel="naive", scheduler="static", prefetch="off", ablate=True, factorial=False,
@@ -29,14 +30,14 @@ def test_stacked_matrix_keeps_each_precision_once_on_the_switches():
 
 
 def test_protocol_args_give_the_protocol_configs():
-    assert names(_exact_configs(dict(PROTOCOL))) == ["baseline", "kernel", "kernel+lm-head=int8",
+    assert names(_exact_configs(RunArgs.from_dict(PROTOCOL))) == ["baseline", "kernel", "kernel+lm-head=int8",
                                                      "kernel+lm-head=fp8", "kernel+weights=int8"]
-    alone = _exact_configs(dict(PROTOCOL, approximate_stacked=False, axes="kernel,lm-head"))
+    alone = _exact_configs(RunArgs.from_dict(dict(PROTOCOL, approximate_stacked=False, axes="kernel,lm-head")))
     assert names(alone) == ["baseline", "kernel", "lm-head=int8", "kernel+lm-head=int8", "lm-head=fp8",
                             "kernel+lm-head=fp8"]
     # a manifest written before the option had no such key: the approximate configs alone too
     old = {k: v for k, v in PROTOCOL.items() if k != "approximate_stacked"}
-    assert "lm-head=int8" in names(_exact_configs(old))
+    assert "lm-head=int8" in names(_exact_configs(RunArgs.from_dict(old)))
 
 
 @pytest.mark.parametrize("extra, message", [

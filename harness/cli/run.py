@@ -1,5 +1,5 @@
-"""`moebench run`: its options, turned into the run's arguments (the manifest's `args`); the run itself
-is moebench.measuring.run."""
+"""`moebench run`: its options, turned into the run's typed arguments (moebench.measuring.args.RunArgs,
+the manifest's `args`); the run itself is moebench.measuring.run."""
 
 from __future__ import annotations
 
@@ -60,15 +60,16 @@ def run_command(
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take.", rich_help_panel="Serving engines"),
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
+    from moebench.measuring.args import RunArgs
     from moebench.measuring.run import read_manifest, start_run
 
     if resume is not None:
-        args = read_manifest(resume)["args"]
+        args = RunArgs.from_dict(read_manifest(resume)["args"])
     else:
-        args = dict(
+        args = RunArgs(
             model=str(model) if model else None, suite=suite, data=str(data) if data else None, limit=limit,
             num_fewshot=num_fewshot, kernel=kernel, scheduler=scheduler, prefetch=prefetch, ablate=ablate,
-            factorial=factorial, axes=axes, lm_head=lm_head, weights=weights, approximate_stacked=approximate_stacked, repeats=repeats if repeats is not None else (3 if ablate else 1), warmup=warmup,
+            factorial=factorial, axes=axes, lm_head=lm_head, weights=weights, approximate_stacked=approximate_stacked, repeats=repeats, warmup=warmup,
             batch_size=batch_size, max_new_tokens=max_new_tokens, expert_budget=expert_budget,
             offload_tier=offload_tier, admission=admission, decode_path=decode_path, device=device, seed=seed,
             negative_control=negative_control_, threads=threads,

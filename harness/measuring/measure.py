@@ -34,14 +34,13 @@ def _requests(suite, items, max_new_tokens, sampling=None, trial: int = 0):
                     replace(sampling, seed=request_seed(sampling.seed, trial, item.id))) for item in items]
 
 
-def run_sampling(args: dict):
-    """The run's sampling settings (seed: the run seed), or None for greedy decoding."""
-    if not args.get("temperature"):
+def run_sampling(args):
+    """The run's sampling settings (`args`: RunArgs; seed: the run seed), or None for greedy decoding."""
+    if not args.temperature:
         return None
     from moebench.engine.sampling import SamplingParams
 
-    return SamplingParams(float(args["temperature"]), float(args.get("top_p") or 1.0), args.get("top_k"),
-                          int(args.get("seed") or 0))
+    return SamplingParams(float(args.temperature), float(args.top_p or 1.0), args.top_k, int(args.seed or 0))
 
 
 def _completed_trials(run_dir: Path) -> set[tuple[str, int]]:
@@ -178,7 +177,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         backend = BundledBackend(configs, CheckpointVariants(ckpt), tokenizer, base_runtime, run_sampling(args),
                                  warm_up=warm_up)
     configs = backend.configs
-    max_new_tokens = base_runtime.max_new_tokens if base_runtime is not None else args["max_new_tokens"]
+    max_new_tokens = base_runtime.max_new_tokens if base_runtime is not None else args.max_new_tokens
     done = _completed_trials(run_dir)
     _drop_partial_samples(run_dir, done)
     steps = _load_steps(run_dir, done)
@@ -189,7 +188,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
         console.print(f"resuming {run_dir}: {len(done)} trials done, {len(todo)} to go")
     if todo:
         try:
-            backend.warm_up(suite, args["warmup"])
+            backend.warm_up(suite, args.warmup)
         except BaseException:
             backend.close()
             raise

@@ -27,18 +27,19 @@ from moebench.engine.config import KERNELS, LM_HEADS, PREFETCHERS, SCHEDULERS, W
 from moebench.errors import MoebenchError, describe_os_error
 from moebench.fileio import atomic_write_json, drop_torn_tail, ensure_writable_dir, read_jsonl
 from moebench.engine.sampling import check_sampling_options
+from moebench.measuring.args import RunArgs
 
 # the engine's own lists of strategy names: one source of truth for what each switch accepts
 IMPLEMENTED = {"kernel": KERNELS, "scheduler": SCHEDULERS, "prefetch": PREFETCHERS}
 
 
-def _budget_text(args: dict) -> str:
+def _budget_text(args: RunArgs) -> str:
     """The run's expert budget: as given, else 0.5 for the bundled default's ablation (offloading is
     part of what it measures) unless it ablates the decode path (whose native point needs every
     expert resident), else 1.0."""
-    budget = args["expert_budget"]
+    budget = args.expert_budget
     if budget is None:
-        offloaded = args["ablate"] and args["model"] is None and DECODE_PATH_AXIS not in parse_axes(args.get("axes"))[1]
+        offloaded = args.ablate and args.model is None and DECODE_PATH_AXIS not in parse_axes(args.axes)[1]
         budget = "0.5" if offloaded else "1.0"
     return budget
 
@@ -68,22 +69,16 @@ def _model_summary(ckpt) -> dict:
     }
 
 
-def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) -> None:
+def start_run(args: RunArgs, out: Path, run_id: str | None, resume: Path | None) -> None:
     """Check the run's arguments, claim its folder (or take the one to resume), measure, and write it."""
     from moebench.engine import RuntimeConfig
 
     manifest = read_manifest(resume) if resume is not None else None
-    if args["repeats"] < 1:
-        raise MoebenchError(f"--repeats must be >= 1, got {args['repeats']}")
-    if args["warmup"] < 0:
-        raise MoebenchError(f"--warmup must be >= 0 (0 skips the warm-up), got {args['warmup']}")
-    check_sampling_options(args.get("temperature", 0.0), args.get("top_p"), args.get("top_k"))
-    if args["factorial"] and not args["ablate"]:
-        raise MoebenchError("--factorial needs --ablate")
+    check_sampling_options(args.temperature, args.top_p, args.top_k)
     if run_id is not None and (not run_id or run_id in (".", "..") or "/" in run_id or os.sep in run_id):
         raise MoebenchError(f"--run-id '{run_id}': expected a plain folder name")
 
-    http = args.get("engine", "bundled") != "bundled"
+    http = args.engine != "bundled"
     if not http:  # fail on a bad switch before claiming a folder or loading anything
         from moebench.engine.overrides import Overrides
 
@@ -91,22 +86,18 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
         recorded = ((manifest or {}).get("runtime") or {}).get("overrides")
         overrides = Overrides(**recorded) if recorded else Overrides.from_environment(os.environ)
         configs = _configs(args)
-        threads = args.get("threads")
-        if threads is None and args["device"] == "cpu":
-            threads = 1
-        if threads is not None and threads < 0:
-            raise MoebenchError(f"--threads must be >= 0, got {threads}")
+        threads = args.threads
         budget = _budget_text(args)
         from moebench.engine.store.factory import resolve_tier  # (torch) only once the switches are valid
 
         base_runtime = RuntimeConfig(
-            device=args["device"], batch_size=args["batch_size"], max_new_tokens=args["max_new_tokens"],
-            admission=args["admission"], expert_budget=_parse_budget(budget),
-            offload_tier=resolve_tier(args["offload_tier"], args["device"]),
+            device=args.device, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+            admission=args.admission, expert_budget=_parse_budget(budget),
+            offload_tier=resolve_tier(args.offload_tier, args.device),
             decode_path=_run_decode_path(args),
             # with --ablate the speculative axis's points set it themselves (ablation.runtime_for)
-            speculative="off" if args["ablate"] else args.get("speculative", "off"), spec_tokens=args.get("spec_tokens", 4),
-            spec_max_batch=args.get("spec_max_batch"), overrides=overrides,
+            speculative="off" if args.ablate else args.speculative, spec_tokens=args.spec_tokens,
+            spec_max_batch=args.spec_max_batch, overrides=overrides,
         )
         base_runtime = _one_tier_for_every_config(base_runtime, configs)
         _check_decode_paths(args, base_runtime, configs)
@@ -150,21 +141,21 @@ def start_run(args: dict, out: Path, run_id: str | None, resume: Path | None) ->
     _print_next_steps(run_dir)
 
 
-def _run_decode_path(args: dict) -> str:
+def _run_decode_path(args: RunArgs) -> str:
     """The decode path of every config that does not set its own: --decode-path, except in a run
     that ablates it, whose native point sets native itself (the others run auto)."""
-    path = args.get("decode_path") or "auto"  # (a manifest from before the option: auto)
-    return "auto" if path == "native" and args["ablate"] else path
+    path = args.decode_path or "auto"  # (a manifest from before the option: auto)
+    return "auto" if path == "native" and args.ablate else path
 
 
-def _check_decode_paths(args: dict, base_runtime, configs) -> None:
+def _check_decode_paths(args: RunArgs, base_runtime, configs) -> None:
     """Each config's runtime, and its decode path against the model's config.json, before anything
     loads: a path the model or the config cannot run is one line (engine/decode_path.py says why)."""
     from moebench.engine.decode_path import path_refusal
     from moebench.engine.families import parse_model_config
 
     runtimes = [(cfg, _runtime_for(base_runtime, cfg)) for cfg in configs]
-    model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
+    model_path = Path(args.model) if args.model else bundled_model_path(args.suite)
     if not (model_path / "config.json").is_file():
         return  # the loader, later, says what is wrong with the path
     model_cfg = parse_model_config(model_path / "config.json")
@@ -189,7 +180,7 @@ def _one_tier_for_every_config(base_runtime, configs):
     return replace(base_runtime, offload_tier="host")
 
 
-def _claim_run_dir(out: Path, run_id: str | None, args: dict) -> Path:
+def _claim_run_dir(out: Path, run_id: str | None, args: RunArgs) -> Path:
     """Create the run's folder exclusively (mkdir fails if it exists): two runs started at the same
     moment get two folders, and a --run-id that exists is refused instead of merged into."""
     ensure_writable_dir(out, "--out")
@@ -265,16 +256,14 @@ def _print_next_steps(run_dir: Path) -> None:
     print(f"next: moebench report {where}\n      moebench gate {where}", flush=True)
 
 
-def _load_run_suite(args: dict):
+def _load_run_suite(args: RunArgs):
     from moebench.suites import load_suite
 
-    if args["limit"] is None and args["suite"] == "gsm-synth":
-        args["limit"] = 200
-    return load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
-                      num_fewshot=args["num_fewshot"])
+    return load_suite(args.suite, Path(args.data) if args.data else None, args.limit,
+                      num_fewshot=args.num_fewshot)
 
 
-def _fitting_suite(args: dict):
+def _fitting_suite(args: RunArgs):
     """The run's suite, refused when its longest prompt plus --max-new-tokens exceeds the model's
     context: past it the model writes garbage that would score as wrong answers (exit 0)."""
     from moebench.context_fit import check_suite_fits, run_hint, tokenizer_encoder
@@ -282,23 +271,23 @@ def _fitting_suite(args: dict):
     from moebench.engine.loader import load_tokenizer
 
     suite_obj = _load_run_suite(args)
-    model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
+    model_path = Path(args.model) if args.model else bundled_model_path(args.suite)
     if not model_path.is_dir():
         return suite_obj  # the loader, next, says what is wrong with the path
     context = parse_model_config(model_path / "config.json").max_position_embeddings
-    check_suite_fits(suite_obj, tokenizer_encoder(load_tokenizer(model_path)), args["max_new_tokens"], context,
+    check_suite_fits(suite_obj, tokenizer_encoder(load_tokenizer(model_path)), args.max_new_tokens, context,
                      model_path.name, run_hint(suite_obj))
     return suite_obj
 
 
-def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, threads, base_runtime) -> None:
+def _run_bundled(args: RunArgs, run_dir: Path, manifest: dict | None, configs, threads, base_runtime) -> None:
     # before the model loads: a refusal here removes the folder just claimed (nothing ran in it)
     suite_obj = _fitting_suite(args)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    model_path = Path(args["model"]) if args["model"] else bundled_model_path(args["suite"])
+    model_path = Path(args.model) if args.model else bundled_model_path(args.suite)
     from moebench.engine.overrides import apply_process_overrides
 
     apply_process_overrides(base_runtime.overrides, extension=base_runtime.device == "cpu")  # before the weights load
@@ -312,7 +301,7 @@ def _run_bundled(args: dict, run_dir: Path, manifest: dict | None, configs, thre
     measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, base_runtime, args)
 
 
-def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
+def _run_over_http(args: RunArgs, run_dir: Path, manifest: dict | None) -> None:
     """The same measurement, statistics and files, with an OpenAI-compatible server as the engine."""
     from moebench.backends.http import HttpBackend
     from moebench.backends.openai import ClientOptions
@@ -321,31 +310,29 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
     from moebench.measuring.measure import _requests, measure
     from moebench.suites import load_suite
 
-    if (args["base_url"] is None) == (args["profiles"] is None):
+    if (args.base_url is None) == (args.profiles is None):
         raise MoebenchError("--engine openai needs exactly one of --base-url URL or --profiles FILE")
-    if args["concurrency"] < 1:
-        raise MoebenchError(f"--concurrency must be >= 1, got {args['concurrency']}")
-    if args["temperature"] < 0:
-        raise MoebenchError(f"--temperature must be >= 0, got {args['temperature']}")
+    if args.concurrency < 1:
+        raise MoebenchError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.temperature < 0:
+        raise MoebenchError(f"--temperature must be >= 0, got {args.temperature}")
     for switch in SWITCHES:
-        if args[switch] != OFF[switch]:
+        if getattr(args, switch) != OFF[switch]:
             raise MoebenchError(f"--{switch} is a switch of the bundled runtime; a server's configurations come from --profiles")
-    if args.get("lm_head") or args.get("axes") or args.get("weights", "f32") != "f32":
+    if args.lm_head or args.axes or args.weights != "f32":
         raise MoebenchError("--lm-head, --weights and --axes are for the bundled runtime; a server's configurations "
                             "come from --profiles")
-    if args.get("negative_control"):
+    if args.negative_control:
         raise MoebenchError("--negative-control is for the bundled runtime; mark a profile approximate = true instead")
-    if args.get("speculative", "off") != "off":
+    if args.speculative != "off":
         raise MoebenchError("--speculative is for the bundled runtime; a server's speculative settings come from --profiles")
-    profile_file = load_profiles(Path(args["profiles"])) if args["profiles"] else None
-    if profile_file is not None and args["profile"]:
-        profile_file.select([profile_file.profiles[0].name, *args["profile"]])
-    if args["limit"] is None and args["suite"] == "gsm-synth":
-        args["limit"] = 200
-    suite_obj = load_suite(args["suite"], Path(args["data"]) if args["data"] else None, args["limit"],
-                           num_fewshot=args["num_fewshot"])
-    placeholders = Placeholders("127.0.0.1", args["model"], args["served_model"], args.get("threads"))
-    tokenizer_dir = args["tokenizer"] or (profile_file.server.get("tokenizer") if profile_file else None)
+    profile_file = load_profiles(Path(args.profiles)) if args.profiles else None
+    if profile_file is not None and args.profile:
+        profile_file.select([profile_file.profiles[0].name, *args.profile])
+    suite_obj = load_suite(args.suite, Path(args.data) if args.data else None, args.limit,
+                           num_fewshot=args.num_fewshot)
+    placeholders = Placeholders("127.0.0.1", args.model, args.served_model, args.threads)
+    tokenizer_dir = args.tokenizer or (profile_file.server.get("tokenizer") if profile_file else None)
     tokenizer = None
     if tokenizer_dir:
         from tokenizers import Tokenizer
@@ -354,11 +341,11 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
         if not path.is_file():
             raise MoebenchError(f"{path}: no such file (--tokenizer wants a directory with tokenizer.json)")
         tokenizer = Tokenizer.from_file(str(path))
-    options = ClientOptions(concurrency=args["concurrency"], chat=args["chat"], temperature=args["temperature"],
-                            top_p=args["top_p"], top_k=args["top_k"], seed=args["seed"],
-                            request_timeout_s=args["request_timeout"])
-    warmup = _requests(suite_obj, suite_obj.items[: max(args["warmup"], 0)], args["max_new_tokens"])
-    backend = HttpBackend(options, run_dir, profile_file, args["base_url"], args["served_model"], tokenizer,
+    options = ClientOptions(concurrency=args.concurrency, chat=args.chat, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            request_timeout_s=args.request_timeout)
+    warmup = _requests(suite_obj, suite_obj.items[: max(args.warmup, 0)], args.max_new_tokens)
+    backend = HttpBackend(options, run_dir, profile_file, args.base_url, args.served_model, tokenizer,
                           placeholders, warmup)
     if manifest is None:
         manifest = _http_manifest(args, run_dir, suite_obj, backend)
@@ -369,47 +356,47 @@ def _run_over_http(args: dict, run_dir: Path, manifest: dict | None) -> None:
 def _http_manifest(args, run_dir, suite_obj, backend) -> dict:
     return _manifest_of(
         args, run_dir, suite_obj, backend.configs,
-        model={"served_model": backend.served_model, "path": args["model"]},
-        runtime={"engine": "openai", "max_new_tokens": args["max_new_tokens"],
-                 "concurrency": args["concurrency"], "temperature": args["temperature"],
+        model={"served_model": backend.served_model, "path": args.model},
+        runtime={"engine": "openai", "max_new_tokens": args.max_new_tokens,
+                 "concurrency": args.concurrency, "temperature": args.temperature,
                  "sampling": _sampling_record(args, over_http=True)},
         engine=backend.describe())
 
 
-def _configs(args: dict) -> list[ConfigPoint]:
+def _configs(args: RunArgs) -> list[ConfigPoint]:
     configs = _exact_configs(args)
-    if args["ablate"] and "prefetch" in {c.name for c in configs} and _parse_budget(_budget_text(args)) not in (1, 1.0):
+    if args.ablate and "prefetch" in {c.name for c in configs} and _parse_budget(_budget_text(args)) not in (1, 1.0):
         # offloaded: the all-resident point too, for the memory / speed trade-off (docs/prefetch.md)
         configs.append(resident_reference())
-    if args.get("negative_control"):
+    if args.negative_control:
         from moebench.engine.quantize import SCHEMES
 
-        if args["negative_control"] not in SCHEMES:
-            raise MoebenchError(f"--negative-control: unknown scheme '{args['negative_control']}' (choose from: {', '.join(SCHEMES)})")
+        if args.negative_control not in SCHEMES:
+            raise MoebenchError(f"--negative-control: unknown scheme '{args.negative_control}' (choose from: {', '.join(SCHEMES)})")
         if configs[0].name != "baseline":
             raise MoebenchError("--negative-control needs the baseline in the run (use --ablate)")
-        configs.append(negative_control(args["negative_control"]))
+        configs.append(negative_control(args.negative_control))
     return configs
 
 
-def _exact_configs(args: dict) -> list[ConfigPoint]:
+def _exact_configs(args: RunArgs) -> list[ConfigPoint]:
     for switch in SWITCHES:
-        if args[switch] not in IMPLEMENTED[switch]:
-            raise MoebenchError(f"unknown {switch} '{args[switch]}' (choose from: {', '.join(IMPLEMENTED[switch])})")
-    method = args.get("speculative", "off")
+        if getattr(args, switch) not in IMPLEMENTED[switch]:
+            raise MoebenchError(f"unknown {switch} '{getattr(args, switch)}' (choose from: {', '.join(IMPLEMENTED[switch])})")
+    method = args.speculative
     # --ablate takes several LM-head precisions (--lm-head int8,fp8); a single config takes one
-    named_heads = tuple((args.get("lm_head") or "f32").split(","))
+    named_heads = tuple((args.lm_head or "f32").split(","))
     for head in named_heads:
         if head not in LM_HEADS:
             raise MoebenchError(f"--lm-head '{head}': choose from {', '.join(LM_HEADS)}")
-    if len(named_heads) > 1 and (not args["ablate"] or "f32" in named_heads):
+    if len(named_heads) > 1 and (not args.ablate or "f32" in named_heads):
         raise MoebenchError(f"--lm-head {','.join(named_heads)}: several precisions need --ablate, none of them f32")
     head = named_heads[0] if len(named_heads) == 1 else ",".join(named_heads)
-    weights = args.get("weights") or "f32"  # (a manifest from before the option: f32)
+    weights = args.weights or "f32"  # (a manifest from before the option: f32)
     if weights not in WEIGHT_PRECISIONS:
         raise MoebenchError(f"--weights '{weights}': choose from {', '.join(WEIGHT_PRECISIONS)}")
-    if args["ablate"]:
-        switches, others = parse_axes(args.get("axes"))
+    if args.ablate:
+        switches, others = parse_axes(args.axes)
         spec_axis, head_axis = SPECULATIVE_AXIS in others, LM_HEAD_AXIS in others
         if method != "off" and not spec_axis:
             raise MoebenchError(f"--speculative {method} with --ablate: add speculative to --axes (the run then ablates {method})")
@@ -419,24 +406,24 @@ def _exact_configs(args: dict) -> list[ConfigPoint]:
         if weights != "f32" and WEIGHTS_AXIS not in others:
             raise MoebenchError(f"--weights {weights} with --ablate: add weights to --axes (the run then ablates {weights})")
         precisions = ((weights,) if weights != "f32" else LOW_PRECISION_WEIGHTS) if WEIGHTS_AXIS in others else ()
-        path, path_axis = args.get("decode_path") or "auto", DECODE_PATH_AXIS in others
+        path, path_axis = args.decode_path or "auto", DECODE_PATH_AXIS in others
         if path == "native" and not path_axis:
             raise MoebenchError("--decode-path native with --ablate: add decode-path to --axes (the run then compares "
                                 "native with the chained path on the fused kernel)")
         if path_axis and path not in ("auto", "chained", "native"):
             raise MoebenchError(f"--axes decode-path compares native with the chained path: --decode-path {path} "
                                 "cannot be its reference")
-        stacked = bool(args.get("approximate_stacked"))  # (a manifest from before the option: False)
+        stacked = bool(args.approximate_stacked)  # (a manifest from before the option: False)
         if stacked and not (switches and (heads or precisions)):
             raise MoebenchError("--approximate-stacked needs a switch and lm-head or weights in --axes")
-        return ablation_matrix(switches, factorial=args["factorial"], approximate_stacked=stacked,
+        return ablation_matrix(switches, factorial=args.factorial, approximate_stacked=stacked,
                                speculative=(method if method != "off" else "ngram") if spec_axis else None,
                                lm_heads=heads, weights=precisions, decode_paths=path_axis)
-    if args.get("axes"):
+    if args.axes:
         raise MoebenchError("--axes needs --ablate")
-    if args.get("approximate_stacked"):
+    if args.approximate_stacked:
         raise MoebenchError("--approximate-stacked needs --ablate")
-    return [point(args["kernel"], args["scheduler"], args["prefetch"], lm_head=head, weights=weights)]
+    return [point(args.kernel, args.scheduler, args.prefetch, lm_head=head, weights=weights)]
 
 
 def _load_model(path: Path, runtime):
@@ -458,14 +445,14 @@ def _load_model(path: Path, runtime):
     return ckpt, load_tokenizer(path)
 
 
-def _default_run_id(args: dict) -> str:
+def _default_run_id(args: RunArgs) -> str:
     """Time to the millisecond plus a random suffix: unique even for runs started together."""
     now = dt.datetime.now()
-    if args.get("engine", "bundled") != "bundled":
-        what = Path(args["profiles"]).stem if args.get("profiles") else "server"
+    if args.engine != "bundled":
+        what = Path(args.profiles).stem if args.profiles else "server"
     else:
-        what = Path(args["model"]).name if args.get("model") else bundled_model_path(args["suite"]).name
-    return f"{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}-{secrets.token_hex(2)}-{what}-{args['suite']}"
+        what = Path(args.model).name if args.model else bundled_model_path(args.suite).name
+    return f"{now:%Y%m%d-%H%M%S}-{now.microsecond // 1000:03d}-{secrets.token_hex(2)}-{what}-{args.suite}"
 
 
 def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
@@ -500,7 +487,7 @@ def _manifest(args, run_dir, ckpt, suite_obj, configs, runtime) -> dict:
     })
 
 
-def _sampling_record(args: dict, over_http: bool = False) -> dict:
+def _sampling_record(args: RunArgs, over_http: bool = False) -> dict:
     """How tokens were chosen and each request's seed made (the engine's evidence shows it drew)."""
     from moebench.engine.sampling import GREEDY, describe_sampling
     from moebench.measuring.measure import run_sampling
@@ -520,16 +507,16 @@ def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, 
         "run_id": run_dir.name,
         "command": "moebench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "args": args,
+        "args": args.to_dict(),
         "model": model,
         **extra,
         "suite": suite_obj.describe(),
         "configs": [c.to_dict() for c in configs],
         "baseline": configs[0].name,
         "runtime": runtime,
-        "repeats": args["repeats"],
-        "warmup_items": args["warmup"],
-        "seed": args["seed"],
+        "repeats": args.repeats,
+        "warmup_items": args.warmup,
+        "seed": args.seed,
         "git_commit": git_commit(),
         "versions": package_versions(),
         "machine": describe_machine(),
