@@ -1,7 +1,7 @@
 """int4 rows (--weights int4, docs/int4.md) where no C++ kernel streams them: dequantize, then torch.
 
 The rows are dequantized to float32 on every call (the reference's arithmetic: x @ dequantized.T), so
-a decode step reads the 4-bit bytes and then writes and reads a float32 copy eight times their size:
+a decode step reads the 4-bit bytes and then writes and reads a float32 copy about seven times their size:
 correct, and far slower than the float32 weights it replaces. It is the slow path, so it says so: a
 RuntimeWarning once per process and op, and the activation check fails a run whose decode-step
 projections ran here unless fallbacks are accepted (engine/weight_evidence.py). Prefill rows (more
@@ -17,14 +17,9 @@ from torch import Tensor
 
 from .reference import dequantize_int4_rows
 
-__all__ = ["is_int4", "dequantized", "warn_slow_path"]
+__all__ = ["dequantized", "warn_slow_path"]
 
 _warned: set[str] = set()
-
-
-def is_int4(w: Tensor) -> bool:
-    """Whether `w` holds int4 rows (uint8 Q4_0 blocks: kernels/reference.py)."""
-    return w.dtype == torch.uint8
 
 
 def dequantized(w: Tensor, dtype: torch.dtype) -> Tensor:
