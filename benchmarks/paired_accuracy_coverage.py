@@ -133,24 +133,30 @@ def cell(model, items, trials, acc, drop, runs, rng, margin=MARGIN, heterogeneit
             else None}
 
 
-def grid(runs: int, rng: np.random.Generator, items_grid=ITEMS, trials_grid=TRIALS, acc_grid=ACCURACY,
-         drops=DROPS, models=MODELS, echo=print) -> list[dict]:
-    rows = []
-    echo("model           items trials  acc drop  discord  cover  non-inf  regr  incon  fail  flag  mde")
+def shapes(models, items_grid, trials_grid, acc_grid):
+    """(model, items, trials, accuracy) of every cell; models that need trials skip one."""
     for model in models:
         for items in items_grid:
             for trials in trials_grid:
                 if trials == 1 and model in MULTI_TRIAL_ONLY:
                     continue
                 for acc in acc_grid:
-                    for drop in drops:
-                        r = cell(model, items, trials, acc, drop, runs, rng)
-                        rows.append(r)
-                        mde = "  n/a" if r["detectable_points"] is None else f"{r['detectable_points']:5.2f}"
-                        echo(f"{model:15s} {items:5d} {trials:6d} {acc:4.2f} {drop * 100:4.1f} "
-                             f"{r['discordant_per_run']:8.1f} {r['coverage']:6.3f} {r['non-inferior']:7.3f} "
-                             f"{r['regression']:5.3f} {r['inconclusive']:6.3f} {r['fail']:5.3f} "
-                             f"{r['flagged']:5.3f} {mde}")
+                    yield model, items, trials, acc
+
+
+def grid(runs: int, rng: np.random.Generator, items_grid=ITEMS, trials_grid=TRIALS, acc_grid=ACCURACY,
+         drops=DROPS, models=MODELS, echo=print) -> list[dict]:
+    rows = []
+    echo("model           items trials  acc drop  discord  cover  non-inf  regr  incon  fail  flag  mde")
+    for model, items, trials, acc in shapes(models, items_grid, trials_grid, acc_grid):
+        for drop in drops:
+            r = cell(model, items, trials, acc, drop, runs, rng)
+            rows.append(r)
+            mde = "  n/a" if r["detectable_points"] is None else f"{r['detectable_points']:5.2f}"
+            echo(f"{model:15s} {items:5d} {trials:6d} {acc:4.2f} {drop * 100:4.1f} "
+                 f"{r['discordant_per_run']:8.1f} {r['coverage']:6.3f} {r['non-inferior']:7.3f} "
+                 f"{r['regression']:5.3f} {r['inconclusive']:6.3f} {r['fail']:5.3f} "
+                 f"{r['flagged']:5.3f} {mde}")
     return rows
 
 
@@ -159,20 +165,15 @@ def power_check(runs: int, rng: np.random.Generator, items_grid=ITEMS, trials_gr
     """The median detectable drop printed by runs with no true drop, then the regression rate at
     that drop in the same model (target: >= 80%)."""
     rows = []
-    for model in models:
-        for items in items_grid:
-            for trials in trials_grid:
-                if trials == 1 and model in MULTI_TRIAL_ONLY:
-                    continue
-                for acc in acc_grid:
-                    printed = cell(model, items, trials, acc, 0.0, runs, rng)["detectable_points"]
-                    if printed is None or printed / 100 > 0.9 * acc:
-                        continue  # nothing printed, or a drop the model cannot lose
-                    at = cell(model, items, trials, acc, printed / 100, runs, rng)
-                    rows.append({"model": model, "items": items, "trials": trials, "accuracy": acc,
-                                 "printed_drop_points": printed, "regression": at["regression"], "runs": runs})
-                    echo(f"{model:15s} {items:5d} items x {trials} trials, acc {acc:.2f}: printed drop "
-                         f"{printed:5.2f} points, regression at it {at['regression']:.3f}")
+    for model, items, trials, acc in shapes(models, items_grid, trials_grid, acc_grid):
+        printed = cell(model, items, trials, acc, 0.0, runs, rng)["detectable_points"]
+        if printed is None or printed / 100 > 0.9 * acc:
+            continue  # nothing printed, or a drop the model cannot lose
+        at = cell(model, items, trials, acc, printed / 100, runs, rng)
+        rows.append({"model": model, "items": items, "trials": trials, "accuracy": acc,
+                     "printed_drop_points": printed, "regression": at["regression"], "runs": runs})
+        echo(f"{model:15s} {items:5d} items x {trials} trials, acc {acc:.2f}: printed drop "
+             f"{printed:5.2f} points, regression at it {at['regression']:.3f}")
     return rows
 
 
