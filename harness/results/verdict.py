@@ -165,11 +165,12 @@ def judge_accuracy(vb: dict, margin: float, exact: bool) -> dict:
                               f"within the {margin:g}-point margin")
             text += f"; {out['warning']}"
     elif out["verdict"] == "regression":
-        text = (f"regression: accuracy fell, {interval}; the interval lies below 0 and does not exclude a drop "
-                f"of the {margin:g}-point margin{trial_words}")
+        why = (f"the interval lies below 0{trial_words}" if flagged else
+               f"the interval lies below 0 and does not exclude a drop of the {margin:g}-point margin")
+        text = f"regression: accuracy fell, {interval}; {why}"
         power = ""
     else:
-        where = (f"reaches below the -{margin:g}-point margin and above 0" if ci[0] <= -margin / 1 else
+        where = (f"reaches below the -{margin:g}-point margin and above 0" if ci[0] <= -margin else
                  f"lies above the -{margin:g}-point margin")
         text = f"inconclusive: difference {interval} {where}{trial_words}"
     out["statement"] = text + (f"; {power}" if power else "")
