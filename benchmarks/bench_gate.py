@@ -231,6 +231,7 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
     it back the way `moebench gate RUN_DIR` does (load_summary).
     """
     from moebench.fileio import atomic_write_json
+    from moebench.measuring.args import RunArgs
     from moebench.measuring.measure import measure
     from moebench.results.summary import load_summary
 
@@ -241,7 +242,7 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
     atomic_write_json(run_dir / "manifest.json", manifest)
     extra = {"inject_slowdown": slowdown} if scenario == "slowdown" else {}
     with _candidate_extra(extra, quiet):
-        measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, runtime, {"warmup": 0})
+        measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, runtime, RunArgs(warmup=0))
     return load_summary(run_dir)
 
 
