@@ -33,6 +33,8 @@ class Completion:
     ttft_s: float
     latency_s: float
     token_times: list[float]
+    scheduled_s: float | None = None  # open loop: when it was due, seconds from the run's start
+    sent_s: float | None = None  # when it was handed to the engine, seconds from the run's start
     error = None  # an in-process request never fails alone (HTTP engines' completions may)
 
     @property
@@ -145,29 +147,38 @@ class Engine:
         requests: list[Request],
         on_complete: Callable[[Completion], None] | None = None,
         prompt_ids: list[list[int]] | None = None,
+        arrivals: list[float] | None = None,
     ) -> GenerationResult:
-        """Run every request to completion. `prompt_ids` bypasses the tokenizer (tests, benchmarks)."""
+        """Run every request to completion. `prompt_ids` bypasses the tokenizer (tests, benchmarks).
+        `arrivals` (seconds from the start, one per request): an open loop, each request handed over
+        at its time (engine/open_loop.py); None: all queued at the start."""
         rt = self.runtime
-        arrival = time.perf_counter()
+        start = time.perf_counter()  # closed loop: tokenizing the prompts is part of the run, as always
         seqs = []
         for i, req in enumerate(requests):
             ids = prompt_ids[i] if prompt_ids is not None else self.encode(req.prompt)
             if not ids:
                 raise MoebenchError(f"request {req.id}: empty prompt")
-            seqs.append(Sequence(req, list(ids), req.max_new_tokens or rt.max_new_tokens, arrival))
+            seqs.append(Sequence(req, list(ids), req.max_new_tokens or rt.max_new_tokens, 0.0))
         if not seqs:
             return GenerationResult([], [], {}, [], 0.0)
 
-        session = EngineSession(self, self._kv_blocks(seqs), on_complete, arrival)
-        for s in seqs:
-            session.add(s)
+        if arrivals is not None:  # open loop: the clock starts when the first request may be sent
+            start = time.perf_counter()
+        session = EngineSession(self, self._kv_blocks(seqs), on_complete, start)
         steps: list[dict] = []
         try:
-            while session.has_work():
-                steps.append(session.step().to_dict())
+            if arrivals is None:
+                for s in seqs:
+                    s.arrival = start
+                    session.add(s)
+                while session.has_work():
+                    steps.append(session.step().to_dict())
+            else:
+                self._run_open_loop(session, seqs, arrivals, start, steps)
         finally:
             session.close()
-        wall = time.perf_counter() - arrival
+        wall = time.perf_counter() - start
 
         evidence = session.evidence()
         errors = session.activation_errors(evidence, len(seqs))
@@ -175,6 +186,20 @@ class Engine:
         completions = session.completions
         completions.sort(key=lambda c: order[c.id])
         return GenerationResult(completions, steps, evidence, errors, wall, session.stats.load.tolist())
+
+    @staticmethod
+    def _run_open_loop(session: EngineSession, seqs: list[Sequence], arrivals: list[float], start: float,
+                       steps: list[dict]) -> None:
+        from moebench.engine.open_loop import ArrivalFeeder
+
+        pending = len(seqs)
+        with ArrivalFeeder(seqs, arrivals, start).running() as feeder:
+            while pending or session.has_work():
+                for s in feeder.take(block=pending > 0 and not session.has_work()):
+                    session.add(s)
+                    pending -= 1
+                if session.has_work():
+                    steps.append(session.step().to_dict())
 
     def session(self, max_sequence_tokens: int, on_complete: Callable[[Completion], None] | None = None) -> EngineSession:
         """A long-lived session (a server's): its KV cache holds every request the scheduler may keep
@@ -384,7 +409,8 @@ class EngineSession:
         s.finish_reason = ending.reason
         self.scheduler.finish(s)
         c = Completion(s.id, s.text, list(s.output_ids), len(s.prompt_ids), ending.reason,
-                       s.token_times[0], s.token_times[-1], list(s.token_times))
+                       s.token_times[0], s.token_times[-1], list(s.token_times), s.scheduled_s,
+                       s.arrival - self.arrival)
         self.completions.append(c)
         if not self.on_complete:
             return 0.0

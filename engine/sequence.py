@@ -38,6 +38,7 @@ class Sequence:
     admitted_at: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds since arrival, one per output token
     routed_experts: int | None = None  # bit layer * experts + e set per expert e its latest token used (affinity)
+    scheduled_s: float | None = None  # open loop: when it was due, seconds from the start (engine/open_loop.py)
 
     @property
     def id(self) -> str:

@@ -58,6 +58,11 @@ def run_command(
     spec_tokens: int = SPEC_TOKENS,
     spec_max_batch: Optional[int] = SPEC_MAX_BATCH,
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds one request may take.", rich_help_panel="Serving engines"),
+    request_rate: Optional[str] = typer.Option(None, "--request-rate", help="Open loop: requests sent at this rate (requests/s), comma-separated for a sweep run within every trial, 'inf' for the closed loop, e.g. 2,4,8,inf. The same seeded arrival times for every config and trial (docs/serving-load.md).", rich_help_panel="Offered load"),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of the gaps between arrivals: 1 Poisson, below 1 burstier, above 1 steadier (as vLLM's bench serve).", rich_help_panel="Offered load"),
+    fluctuate: Optional[str] = typer.Option(None, "--fluctuate", help="LOW,HIGH,SECONDS: a load that alternates LOW and HIGH requests/s every SECONDS; the summary gives throughput per window and its stability.", rich_help_panel="Offered load"),
+    arrivals: Optional[Path] = typer.Option(None, "--arrivals", help="A trace of send times (one number of seconds per line) as one more load.", rich_help_panel="Offered load"),
+    slo: Optional[list[str]] = typer.Option(None, "--slo", help="A latency SLO a request must meet to count in goodput, METRIC=SECONDS with METRIC ttft, tpot or e2e (repeatable).", rich_help_panel="Offered load"),
 ):
     """Generate answers for every item and config, score them, and write results/<run-id>/."""
     from moebench.measuring.args import RunArgs
@@ -77,6 +82,7 @@ def run_command(
             served_model=served_model, tokenizer=str(tokenizer_dir) if tokenizer_dir else None, chat=chat,
             concurrency=concurrency, temperature=temperature, top_p=top_p, top_k=top_k,
             speculative=speculative, spec_tokens=spec_tokens, spec_max_batch=spec_max_batch,
-            request_timeout=request_timeout,
+            request_timeout=request_timeout, request_rate=request_rate, burstiness=burstiness,
+            fluctuate=fluctuate, arrivals=str(arrivals) if arrivals else None, slo=tuple(slo) if slo else None,
         )
     start_run(args, out, run_id, resume)

@@ -55,6 +55,12 @@ class RunArgs:
     spec_tokens: int = 4
     spec_max_batch: int | None = None
     request_timeout: float = 600.0
+    # offered load (moebench.measuring.arrivals): None everywhere is the closed loop
+    request_rate: str | None = None
+    burstiness: float = 1.0
+    fluctuate: str | None = None
+    arrivals: str | None = None
+    slo: tuple[str, ...] | None = None  # "ttft=0.5", "tpot=0.05", "e2e=10" (seconds)
 
     def __post_init__(self):
         # the defaults that depend on other arguments, resolved once, here
@@ -65,6 +71,9 @@ class RunArgs:
         if self.threads is None and self.device == "cpu" and self.engine == "bundled":
             object.__setattr__(self, "threads", 1)
         object.__setattr__(self, "profile", tuple(self.profile) if self.profile else None)
+        object.__setattr__(self, "slo", tuple(self.slo) if self.slo else None)
+        self.loads()  # an unusable load or SLO is refused before anything starts
+        self.slos()
         if self.repeats < 1:
             raise MoebenchError(f"--repeats must be >= 1, got {self.repeats}")
         if self.warmup < 0:
@@ -73,6 +82,19 @@ class RunArgs:
             raise MoebenchError(f"--threads must be >= 0, got {self.threads}")
         if self.factorial and not self.ablate:
             raise MoebenchError("--factorial needs --ablate")
+
+    def loads(self):
+        """The offered loads, in the order each trial runs them (moebench.measuring.arrivals.Load);
+        None: the closed loop, every request queued at the start, as without these options."""
+        from moebench.measuring.arrivals import loads_from_args
+
+        return loads_from_args(self.request_rate, self.burstiness, self.fluctuate, self.arrivals)
+
+    def slos(self) -> dict[str, float]:
+        """The latency SLOs a request must meet to count in goodput, seconds by metric."""
+        from moebench.measuring.arrivals import parse_slos
+
+        return parse_slos(self.slo or ())
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunArgs":
@@ -84,4 +106,5 @@ class RunArgs:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["profile"] = list(self.profile) if self.profile else None
+        d["slo"] = list(self.slo) if self.slo else None
         return d

@@ -43,17 +43,21 @@ def run_sampling(args):
     return SamplingParams(float(args.temperature), float(args.top_p or 1.0), args.top_k, int(args.seed or 0))
 
 
-def _completed_trials(run_dir: Path) -> set[tuple[str, int]]:
+def _completed_trials(run_dir: Path) -> set[tuple]:
+    from moebench.measuring.run import trial_key
+
     f = run_dir / "trials.jsonl"
-    return {(r["config"], r["trial"]) for r in read_jsonl(f)} if f.exists() else set()
+    return {trial_key(r) for r in read_jsonl(f)} if f.exists() else set()
 
 
-def _drop_partial_samples(run_dir: Path, done: set[tuple[str, int]]) -> None:
+def _drop_partial_samples(run_dir: Path, done: set[tuple]) -> None:
     """A trial's timing is only valid whole: samples of an unfinished trial are redone on resume."""
+    from moebench.measuring.run import trial_key
+
     f = run_dir / "samples.jsonl"
     if not f.exists():
         return
-    kept = [r for r in read_jsonl(f) if (r["config"], r["trial"]) in done]
+    kept = [r for r in read_jsonl(f) if trial_key(r) in done]
     atomic_write_text(f, "".join(json.dumps(r) + "\n" for r in kept))
 
 
@@ -67,14 +71,14 @@ def _write_steps(run_dir: Path, steps: list[dict]) -> None:
     atomic_write_bytes(run_dir / "steps.parquet", buf.getvalue())
 
 
-def _load_steps(run_dir: Path, done: set[tuple[str, int]]) -> list[dict]:
+def _load_steps(run_dir: Path, done: set[tuple]) -> list[dict]:
     f = run_dir / "steps.parquet"
     if not f.exists():
         return []
     import pandas as pd
 
     rows = pd.read_parquet(f).to_dict("records")
-    return [r for r in rows if (r["config"], int(r["trial"])) in done]
+    return [r for r in rows if (r["config"], int(r["trial"]), r.get("load")) in done]
 
 
 class CheckpointVariants:
@@ -164,6 +168,20 @@ class ServerDied(Exception):
                          f"its log: {result.evidence.get('log')}")
 
 
+def _run_loads(manifest: dict, args) -> list:
+    """The loads each trial runs, as the manifest recorded them (a resumed run keeps its own): [None]
+    for the closed loop of a run without loads."""
+    loads = args.loads() if args is not None and hasattr(args, "loads") else None
+    if not loads:
+        return [None]
+    recorded = [ld["label"] for ld in manifest.get("loads") or []]
+    if recorded and recorded != [ld.label for ld in loads]:
+        from moebench.errors import MoebenchError
+
+        raise MoebenchError(f"the manifest's loads {recorded} are not this run's {[ld.label for ld in loads]}")
+    return loads
+
+
 def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base_runtime, args,
             backend=None) -> None:
     """Run every (trial, config) not yet done. `backend` is the engine (moebench.backends); the
@@ -181,7 +199,9 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     done = _completed_trials(run_dir)
     _drop_partial_samples(run_dir, done)
     steps = _load_steps(run_dir, done)
-    todo = [(t, c) for t in range(repeats) for c in trial_order(configs, t) if (c.name, t) not in done]
+    loads = _run_loads(manifest, args)
+    todo = [(t, load, c) for t in range(repeats) for load in loads for c in trial_order(configs, t)
+            if (c.name, t, load.label if load else None) not in done]
     items_by_id = {item.id: item for item in suite.items}
     sampling = run_sampling(args)
     if done:
@@ -202,13 +222,18 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
     try:
         with progress:
             overall = progress.add_task("all trials", total=len(todo) * len(suite.items), rate="")
-            for trial, cfg in todo:
+            for trial, load, cfg in todo:
                 requests = _requests(suite, suite.items, max_new_tokens, sampling, trial)
-                task = progress.add_task(f"{cfg.name} #{trial}", total=len(requests), rate="")
+                arrivals = load.offsets(len(requests), args.seed) if load else None
+                at = {"load": load.label} if load else {}  # the closed loop of a run without loads: no key
+                where = f" @ {load.label}" if load else ""
+                task = progress.add_task(f"{cfg.name} #{trial}{where}", total=len(requests), rate="")
                 tokens = [0]
 
-                def on_complete(completion, cfg=cfg, trial=trial, task=task):
-                    record = sample_record(cfg.name, trial, items_by_id[completion.id], suite, completion)
+                def on_complete(completion, cfg=cfg, trial=trial, task=task, at=at):
+                    record = {**sample_record(cfg.name, trial, items_by_id[completion.id], suite, completion), **at}
+                    if at:
+                        record.update(scheduled_s=completion.scheduled_s, sent_s=completion.sent_s)
                     append_jsonl(samples_file, record)
                     tokens[0] += record["output_tokens"]
                     rate = f"{tokens[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s"
@@ -217,7 +242,10 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
 
                 with backend.session(cfg, f"t{trial}") as engine:
                     started = time.perf_counter()
-                    result = engine.generate(requests, on_complete=on_complete)
+                    if arrivals is None:
+                        result = engine.generate(requests, on_complete=on_complete)
+                    else:
+                        result = engine.generate(requests, on_complete=on_complete, arrivals=arrivals)
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
@@ -228,11 +256,11 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     activation_failures.append(f"config '{cfg.name}' trial {trial}: " + "; ".join(failed))
                 # the steps first: the trial's line in trials.jsonl marks it complete, so a kill between
                 # the two leaves an unfinished trial (redone on resume), never a complete one without steps
-                steps.extend({"config": cfg.name, "trial": trial, **s} for s in result.steps)
+                steps.extend({"config": cfg.name, "trial": trial, **at, **s} for s in result.steps)
                 if steps:  # an HTTP engine reports no steps
                     _write_steps(run_dir, steps)
                 append_jsonl(run_dir / "trials.jsonl", {
-                    "config": cfg.name, "trial": trial, "wall_s": result.wall_s,
+                    "config": cfg.name, "trial": trial, **at, "wall_s": result.wall_s,
                     "decode_s": decode_s, "decode_tokens": decode_tokens,
                     "prefill_s": prefill_s, "prefill_tokens": prefill_tokens,
                     "output_tokens": output_tokens,
@@ -243,7 +271,7 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                     "position": [c.name for c in trial_order(configs, trial)].index(cfg.name),
                 })
                 progress.console.print(
-                    f"{cfg.name:>18} trial {trial}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
+                    f"{cfg.name:>18} trial {trial}{where}: {decode_tokens / max(decode_s, 1e-9):8.1f} decode tok/s, "
                     f"{output_tokens / max(result.wall_s, 1e-9):8.1f} output tok/s (whole run), "
                     f"wall {result.wall_s:6.1f} s"
                 )

@@ -227,12 +227,17 @@ def _drop_torn_tails(run_dir: Path) -> None:
                       "interrupted write; its trial is redone", file=sys.stderr)
 
 
+def trial_key(record: dict) -> tuple:
+    """What one trial is: a config's trial number at one offered load (None: the closed loop without loads)."""
+    return record["config"], record["trial"], record.get("load")
+
+
 def kept_trials_note(run_dir: Path, total: int | None = None) -> str:
     """How much of an interrupted run is kept: only complete trials count (resume redoes the rest)."""
     try:
-        done = {(r["config"], r["trial"]) for r in read_jsonl(run_dir / "trials.jsonl")} \
+        done = {trial_key(r) for r in read_jsonl(run_dir / "trials.jsonl")} \
             if (run_dir / "trials.jsonl").exists() else set()
-        partial = [r for r in read_jsonl(run_dir / "samples.jsonl") if (r["config"], r["trial"]) not in done] \
+        partial = [r for r in read_jsonl(run_dir / "samples.jsonl") if trial_key(r) not in done] \
             if (run_dir / "samples.jsonl").exists() else []
     except (MoebenchError, OSError, KeyError):
         return f"the complete trials so far are kept in {run_dir}"
@@ -246,7 +251,7 @@ def kept_trials_note(run_dir: Path, total: int | None = None) -> str:
 def _total_trials(run_dir: Path) -> int | None:
     try:
         manifest = json.loads((run_dir / "manifest.json").read_text())
-        return int(manifest["repeats"]) * len(manifest["configs"])
+        return int(manifest["repeats"]) * len(manifest["configs"]) * len(manifest.get("loads") or [None])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -498,6 +503,23 @@ def _sampling_record(args: RunArgs, over_http: bool = False) -> dict:
     return record
 
 
+def _load_record(args, suite_obj) -> dict:
+    """The offered loads and each one's arrival times, as every trial sends them; nothing for the closed loop."""
+    loads = args.loads()
+    if loads is None:
+        return {}
+    n = len(suite_obj.items)
+    return {"loads": [{**ld.to_dict(), "arrivals_s": None if ld.closed else
+                       [round(t, 6) for t in ld.offsets(n, args.seed)]} for ld in loads],
+            "primary_load": primary_load(loads).label, "slo": args.slos()}
+
+
+def primary_load(loads):
+    """The load whose trials the accuracy verdict and the speedups are judged on: the closed loop where
+    the sweep has it (the answers and the throughput of today's runs), else the first."""
+    return next((ld for ld in loads if ld.closed), loads[0])
+
+
 def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, **extra) -> dict:
     """manifest.json: what ran, on what, from which command, code and packages."""
     from moebench.measuring.machine import describe_machine, git_commit, package_versions
@@ -515,6 +537,7 @@ def _manifest_of(args, run_dir, suite_obj, configs, model: dict, runtime: dict, 
         "baseline": configs[0].name,
         "runtime": runtime,
         "repeats": args.repeats,
+        **_load_record(args, suite_obj),
         "warmup_items": args.warmup,
         "seed": args.seed,
         "git_commit": git_commit(),

@@ -23,10 +23,22 @@ class RunData:
     samples: pd.DataFrame
     trials: pd.DataFrame | None
     steps: pd.DataFrame | None
+    # a run with offered loads (docs/serving-load.md): every load's records; samples, trials and steps
+    # above are the primary load's, on which accuracy and speedups are judged as in a closed-loop run
+    by_load: "LoadData | None" = None
 
     @property
     def config_names(self) -> list[str]:
         return [c["name"] for c in self.manifest["configs"]]
+
+
+@dataclass
+class LoadData:
+    labels: list[str]  # in the order each trial ran them
+    primary: str
+    samples: pd.DataFrame
+    trials: pd.DataFrame | None
+    steps: pd.DataFrame | None
 
 
 # ---------------------------------------------------------------- loading
@@ -83,7 +95,8 @@ def _load_samples(path: Path) -> pd.DataFrame:
     df["output"] = df["output"].fillna("").astype(str)
     df["correct"] = df["correct"].map(lambda v: v is True or v == 1)
     # A resumed run may re-append an item; the last complete line wins.
-    return df.drop_duplicates(subset=["config", "trial", "item_id"], keep="last").reset_index(drop=True)
+    keys = ["config", "trial", "item_id"] + (["load"] if "load" in df else [])
+    return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 
 def _load_trials(path: Path) -> pd.DataFrame | None:
@@ -92,7 +105,8 @@ def _load_trials(path: Path) -> pd.DataFrame | None:
     df = _load_jsonl_table(path, ("config", "trial"))
     if df.empty:
         return None
-    return df.drop_duplicates(subset=["config", "trial"], keep="last").sort_values(
+    keys = ["config", "trial"] + (["load"] if "load" in df else [])
+    return df.drop_duplicates(subset=keys, keep="last").sort_values(
         ["config", "trial"]).reset_index(drop=True)
 
 
@@ -117,13 +131,24 @@ def load_run(run_dir: Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise MoebenchError(f"{run_dir}: not a directory")
-    return RunData(
-        run_dir=run_dir,
-        manifest=_load_manifest(run_dir / "manifest.json"),
-        samples=_load_samples(run_dir / "samples.jsonl"),
-        trials=_load_trials(run_dir / "trials.jsonl"),
-        steps=_load_steps(run_dir / "steps.parquet"),
-    )
+    manifest = _load_manifest(run_dir / "manifest.json")
+    samples = _load_samples(run_dir / "samples.jsonl")
+    trials = _load_trials(run_dir / "trials.jsonl")
+    steps = _load_steps(run_dir / "steps.parquet")
+    if not manifest.get("loads"):
+        return RunData(run_dir, manifest, samples, trials, steps)
+    by_load = LoadData([ld["label"] for ld in manifest["loads"]], manifest.get("primary_load"), samples, trials, steps)
+    if by_load.primary not in by_load.labels:
+        raise MoebenchError(f"{run_dir / 'manifest.json'}: primary_load {by_load.primary!r} is not one of its loads")
+
+    def primary(df):
+        if df is None or "load" not in df:
+            return df
+        return df[df["load"] == by_load.primary].reset_index(drop=True)
+    mine = primary(samples)
+    if mine.empty:
+        raise MoebenchError(f"{run_dir / 'samples.jsonl'}: no samples at the primary load {by_load.primary!r} yet")
+    return RunData(run_dir, manifest, mine, primary(trials), primary(steps), by_load)
 
 
 def per_item(samples: pd.DataFrame, name: str) -> pd.DataFrame:

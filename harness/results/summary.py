@@ -503,6 +503,11 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
                       "trials": max((len(c["decode_tokens_per_s"]["trials"]) for c in configs), default=0),
                       "order": _trial_order(run)},
     }
+    from moebench.results.serving import serving_summary
+
+    serving = serving_summary(run)
+    if serving is not None:
+        summary["serving"] = serving
     summary["optimized"] = headline_config(summary)
     for entry in configs:
         if "vs_baseline" in entry:
