@@ -10,6 +10,13 @@ at least one request was past its first token (docs/engines.md).
 
 Failures are never dropped: a request that fails after its retries becomes a completion with
 `error` set, and is counted and shown in the report.
+
+Closed loop (no `arrivals`): every request is queued at the start, at most `concurrency` in
+flight. Open loop (`arrivals`, send offsets in seconds from the trial's start, as
+`moebench.measuring.arrivals.Load.offsets` draws them): each request is sent at its offset
+whatever is still in flight, as vLLM's `bench serve --request-rate` does; how late the client
+itself was is `sent_s - scheduled_s` (docs/open-loop-client.md). TTFT, inter-token latencies and
+latency are counted from the actual send in both.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class HttpCompletion:
     error: str | None = None
     attempts: int = 1
     sent_at: float = 0.0  # perf_counter when the (last) attempt was sent
+    scheduled_s: float | None = None  # open loop: the arrival offset from the trial's start; closed loop: None
+    sent_s: float | None = None  # when the first attempt was sent, seconds from the trial's start
 
     @property
     def output_ids(self) -> list[int]:  # what the in-process engine's completions carry
@@ -84,6 +93,21 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
             total += end - reach
             reach = end
     return total
+
+
+SPIN_S = 0.001  # how long before a send the dispatcher stops sleeping and starts yielding
+
+
+async def _wait_until(deadline: float) -> None:
+    """Return at `deadline` (perf_counter seconds), not up to a millisecond or more after it: the
+    event loop's timers round their timeouts up to whole milliseconds and fire only between
+    batches of I/O callbacks, so the timer wakes the dispatcher SPIN_S early and it yields the
+    rest away one loop iteration at a time, the streams' I/O still being served meanwhile."""
+    early = deadline - time.perf_counter() - SPIN_S
+    if early > 0:
+        await asyncio.sleep(early)
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0)
 
 
 def request_seed(run_seed: int, item_id: str) -> int:
@@ -166,15 +190,18 @@ class OpenAIEngine:
                 else request_seed(o.seed, request.id)
         return body
 
-    async def _one(self, client, request) -> HttpCompletion:
+    async def _one(self, client, request, start: float, scheduled: float | None = None) -> HttpCompletion:
         import aiohttp
 
         o = self.options
         path = "/v1/chat/completions" if o.chat else "/v1/completions"
         body = self._body(request)
         error = None
+        first_sent = None
         for attempt in range(1, o.retries + 2):
             sent = time.perf_counter()
+            if first_sent is None:
+                first_sent = sent - start
             times: list[float] = []
             text, finish, usage = [], None, None
             error, retry = None, False
@@ -185,26 +212,39 @@ class OpenAIEngine:
                         error = f"HTTP {response.status}: {detail}"
                         retry = response.status in RETRYABLE_STATUS
                     else:
-                        async for line in response.content:
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == b"[DONE]":
-                                break
-                            chunk = json.loads(data)
-                            if "error" in chunk:
-                                error = f"server error: {json.dumps(chunk['error'])[:200]}"
-                                break
-                            usage = chunk.get("usage") or usage
-                            for choice in chunk.get("choices") or []:
-                                piece = (choice.get("delta") or {}).get("content") if o.chat else choice.get("text")
-                                if piece:
-                                    times.append(time.perf_counter() - sent)
-                                    text.append(piece)
-                                finish = choice.get("finish_reason") or finish
-                        else:
-                            if finish is None and error is None:
-                                raise aiohttp.ClientPayloadError("the stream ended before [DONE]")
+                        # whatever one read brings is split into lines here rather than awaited
+                        # line by line (aiohttp's readline): one event-loop round per read instead
+                        # of two per event, the CPU that decides how late open-loop sends go out.
+                        # Events read together arrived together, and get that one time.
+                        content, rest, ended, done = response.content, b"", False, False
+                        while not (ended or done or error):
+                            data = await content.readany()
+                            now = time.perf_counter() - sent
+                            if data:
+                                lines = (rest + data).split(b"\n")
+                                rest = lines.pop()
+                            else:
+                                lines, ended = [rest], True
+                            for line in lines:
+                                if not line.startswith(b"data:"):
+                                    continue
+                                data = line[5:].strip()
+                                if data == b"[DONE]":
+                                    done = True
+                                    break
+                                chunk = json.loads(data)
+                                if "error" in chunk:
+                                    error = f"server error: {json.dumps(chunk['error'])[:200]}"
+                                    break
+                                usage = chunk.get("usage") or usage
+                                for choice in chunk.get("choices") or []:
+                                    piece = (choice.get("delta") or {}).get("content") if o.chat else choice.get("text")
+                                    if piece:
+                                        times.append(now)
+                                        text.append(piece)
+                                    finish = choice.get("finish_reason") or finish
+                        if not done and finish is None and error is None:
+                            raise aiohttp.ClientPayloadError("the stream ended before [DONE]")
             except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
                 error = f"{type(e).__name__}: {str(e)[:160]}"
                 retry = not times  # a retry after tokens arrived would count them twice
@@ -213,35 +253,52 @@ class OpenAIEngine:
                 tokens = (usage or {}).get("completion_tokens") or len(times)
                 return HttpCompletion(request.id, "".join(text), int(tokens), (usage or {}).get("prompt_tokens"),
                                       finish or "stop", times[0] if times else end, end, times,
-                                      attempts=attempt, sent_at=sent)
+                                      attempts=attempt, sent_at=sent, scheduled_s=scheduled, sent_s=first_sent)
             if not retry or attempt > o.retries or self._server_dead():
                 break
             await asyncio.sleep(o.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random()))
         return HttpCompletion(request.id, "", 0, None, "error", None, None, [], error=error,
-                              attempts=attempt, sent_at=sent)
+                              attempts=attempt, sent_at=sent, scheduled_s=scheduled, sent_s=first_sent)
 
     def _server_dead(self) -> bool:
         return self.server is not None and self.server.exit_code is not None
 
-    async def _run(self, requests, on_complete) -> tuple[list[HttpCompletion], float]:
+    async def _run(self, requests, on_complete, arrivals: list[float] | None = None) -> tuple[list[HttpCompletion], float]:
         import aiohttp
 
         o = self.options
-        connector = aiohttp.TCPConnector(limit=o.concurrency, force_close=False)
+        open_loop = arrivals is not None
+        # open loop: no cap on connections either, or the pool would queue sends as the semaphore does
+        connector = aiohttp.TCPConnector(limit=0 if open_loop else o.concurrency, force_close=False)
         timeout = aiohttp.ClientTimeout(total=o.request_timeout_s, sock_connect=10.0)
         gate = asyncio.Semaphore(o.concurrency)
         done: list[HttpCompletion] = []
 
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
-            async def one(request):
-                async with gate:
-                    completion = await self._one(client, request)
+            def finished(completion):
                 done.append(completion)
                 if on_complete:
                     on_complete(completion)
 
+            async def one(request):
+                async with gate:
+                    completion = await self._one(client, request, start)
+                finished(completion)
+
+            async def arriving(request, offset):
+                finished(await self._one(client, request, start, offset))
+
             start = time.perf_counter()
-            await asyncio.gather(*(one(r) for r in requests))
+            if not open_loop:
+                await asyncio.gather(*(one(r) for r in requests))
+            else:
+                # one dispatcher walks the schedule, so requests go out in its order even where
+                # offsets tie (the loop's timer heap does not keep ties in order)
+                tasks = []
+                for request, offset in zip(requests, arrivals):
+                    await _wait_until(start + offset)
+                    tasks.append(asyncio.create_task(arriving(request, offset)))
+                await asyncio.gather(*tasks)
             wall = time.perf_counter() - start
         order = {r.id: i for i, r in enumerate(requests)}
         done.sort(key=lambda c: order[c.id])
@@ -265,9 +322,20 @@ class OpenAIEngine:
                    hint="use fewer few-shot examples (--num-fewshot), a smaller --max-new-tokens, or a server "
                         "with a longer context")
 
-    def generate(self, requests, on_complete: Callable | None = None) -> HttpResult:
+    def generate(self, requests, on_complete: Callable | None = None,
+                 arrivals: list[float] | None = None) -> HttpResult:
+        """Send the requests and collect their completions, in the requests' order. `arrivals`:
+        open loop, one send offset per request (seconds from the trial's start, non-decreasing);
+        None: closed loop at the options' concurrency. `on_complete` runs on the event loop that
+        sends: work it does delays the sends due meanwhile."""
+        if arrivals is not None:
+            arrivals = [float(a) for a in arrivals]
+            if len(arrivals) != len(requests):
+                raise ValueError(f"{len(arrivals)} arrival offsets for {len(requests)} requests")
+            if any(b < a for a, b in zip(arrivals, arrivals[1:])) or (arrivals and arrivals[0] < 0):
+                raise ValueError("arrival offsets must be >= 0 and non-decreasing")
         self.check_context(requests)
-        completions, wall = asyncio.run(self._run(requests, on_complete))
+        completions, wall = asyncio.run(self._run(requests, on_complete, arrivals))
         ok = [c for c in completions if c.error is None]
         decode = [(c.sent_at + c.ttft_s, c.sent_at + c.latency_s) for c in ok if c.output_tokens > 1]
         prefill = [(c.sent_at, c.sent_at + c.ttft_s) for c in ok]
