@@ -336,6 +336,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     if not out.is_terminal:  # CI logs and pipes: the whole table, not one cut at 80 columns
         out.width = max(out.width, out.measure(table, options=out.options.update_width(10_000)).maximum)
     out.print(table)
+    if summary.get("serving"):
+        out.print(serving_table(summary["serving"]))
     for c in summary["configs"]:
         if c.get("vs_reference"):
             console.print(f"{c['name']} against {c['vs_reference']['config']}: decode speedup "
@@ -344,3 +346,29 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     if iv.get("trials"):
         console.print(f"95% intervals: {iv['method']}, {iv['trials']} trials, config order {iv.get('order')}")
     console.print(f"results: {run_dir}")
+
+
+def serving_table(serving: dict) -> Table:
+    """Each config at each offered load: what it achieved, its latency, goodput and the client's send lag."""
+    slo = serving.get("slo") or {}
+    table = Table(title="offered load" + (" (SLO " + ", ".join(f"{k.removesuffix('_s')} <= {v:g} s"
+                                                              for k, v in slo.items()) + ")" if slo else ""))
+    for col in ("config", "load", "achieved req/s", "output tok/s", "TTFT p50 / p99 (s)", "TPOT p50 / p99 (s)",
+                "e2e p99 (s)", "goodput req/s (95% CI)", "met SLO", "send lag p99 (ms)"):
+        table.add_column(col)
+
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+    for name, points in serving["configs"].items():
+        for label, p in points.items():
+            good = p.get("goodput_rps") or {}
+            ci = good.get("ci95")
+            lag = (p.get("send_lag_s") or {}).get("p99")
+            table.add_row(
+                name, label, ms(p["achieved_rps"]["median"]), f"{p['output_tok_s']['median'] or 0:.1f}",
+                f"{ms(p['ttft_s']['p50'])} / {ms(p['ttft_s']['p99'])}", f"{ms(p['tpot_s']['p50'])} / {ms(p['tpot_s']['p99'])}",
+                ms(p["latency_s"]["p99"]),
+                "-" if good.get("mean") is None else f"{good['mean']:.2f}" + (f" ({max(ci[0], 0):.2f}-{ci[1]:.2f})" if ci else ""),
+                "-" if p.get("slo_attainment") is None else f"{100 * p['slo_attainment']:.0f}%",
+                "-" if lag is None else f"{1e3 * lag:.1f}")
+    return table

@@ -18,6 +18,10 @@ whole-run output tok/s or decode tok/s):
              workload could not exercise passes, and says "not exercised")
   regression with a committed summary: the gated config's speedup CI upper bound
              >= committed median x (1 - max_slowdown); no interval is inconclusive
+  latency    with max_p99_ttft_increase set: at every offered load, the gated config's P99 TTFT
+             over the baseline's (per-trial paired ratios, 95% CI) passes when the upper end is
+             <= 1 + max_p99_ttft_increase, fails when the lower end is above it, else (or with no
+             offered loads in the run) is inconclusive
 Approximate configs (policy `approximate`, or marked so in the run's manifest) may change
 outputs: only the verdict judges their accuracy.
 """
@@ -208,6 +212,30 @@ def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
             if not approximate(c, policy):
                 rules.append(_identity_rule(c, policy))
     rules += [_activation_rule(c) for c in summary["configs"]]
+    if policy.max_p99_ttft_increase is not None:
+        rules += _latency_rules(summary, name, policy.max_p99_ttft_increase)
+    return rules
+
+
+def _latency_rules(summary: dict, name: str, max_increase: float) -> list[Rule]:
+    limit = 1 + max_increase
+    threshold = f"<= {limit:.3g}x the baseline's"
+    title = f"latency {name}: P99 TTFT ratio, 95% CI upper end"
+    serving = summary.get("serving")
+    if not serving:
+        return [Rule(title, "n/a (a closed-loop run: no offered loads)", threshold, False, True,
+                     "inconclusive: run with --request-rate (docs/serving-load.md) for the latency rule to judge")]
+    rules = []
+    for label, point in (serving["configs"].get(name) or {}).items():
+        ratio = (point.get("vs_baseline") or {}).get("p99_ttft_ratio") or {}
+        ci = ratio.get("ci95")
+        n = len(ratio.get("trials") or [])
+        measured = "n/a (no interval: fewer than 2 trials)" if not ci else \
+            f"{ratio['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {n} trials"
+        passed = bool(ci) and ci[1] <= limit
+        unsure = not passed and (not ci or ci[0] <= limit)
+        rules.append(Rule(f"{title} @ {label}", measured, threshold, passed, unsure,
+                          (_spans(ci) if ci else NO_INTERVAL) if unsure else ""))
     return rules
 
 
