@@ -163,9 +163,9 @@ class Engine:
         if not seqs:
             return GenerationResult([], [], {}, [], 0.0)
 
-        if arrivals is not None:  # open loop: the clock starts when the first request may be sent
-            start = time.perf_counter()
         session = EngineSession(self, self._kv_blocks(seqs), on_complete, start)
+        if arrivals is not None:  # open loop: the clock starts when the engine is ready for the first request
+            start = session.arrival = time.perf_counter()
         steps: list[dict] = []
         try:
             if arrivals is None:

@@ -259,7 +259,7 @@ def speculative_acceptance(summary: dict, path: Path) -> Path | None:
 def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
               out_dir: Path) -> list[tuple[str, Path]]:
     """Draw every plot that has data; (caption, path) in report order."""
-    from moebench.results import plots_forest, plots_speculative
+    from moebench.results import plots_forest, plots_serving, plots_speculative
     from moebench.results.policy import DEFAULTS
 
     out_dir = Path(out_dir)
@@ -281,6 +281,8 @@ def all_plots(summary: dict, samples: pd.DataFrame, steps: pd.DataFrame | None,
         ("Roofline: achieved fraction of the bandwidth limit", "roofline.png", lambda p: roofline(summary, p)),
         (plots_speculative.CAPTION, plots_speculative.FILE,
          lambda p: speculative_acceptance(summary, p)),
+        (plots_serving.CURVES_CAPTION, plots_serving.CURVES_FILE, lambda p: plots_serving.latency_curves(summary, p)),
+        (plots_serving.STABILITY_CAPTION, plots_serving.STABILITY_FILE, lambda p: plots_serving.stability(summary, p)),
     ]
     made = []
     for caption, name, draw in jobs:

@@ -301,6 +301,41 @@ def _engine_tables(summary: dict) -> list[Table]:
                    "MB read / decode step", "roofline tok/s", "achieved"], store)]
 
 
+def _serving_blocks(summary: dict) -> list:
+    serving = summary.get("serving")
+    if not serving:
+        return []
+    slo = serving.get("slo") or {}
+    rows = []
+    for name, points in serving["configs"].items():
+        for label, p in points.items():
+            good, lag = p.get("goodput_rps") or {}, p.get("send_lag_s") or {}
+            vs = (p.get("vs_baseline") or {}).get("p99_ttft_ratio") or {}
+            rows.append([name, label, _f(p["achieved_rps"]["median"]), _f(p["output_tok_s"]["median"], "{:.1f}"),
+                         f"{_f(p['ttft_s']['p50'], '{:.3f}')} / {_f(p['ttft_s']['p99'], '{:.3f}')}",
+                         f"{_f(p['tpot_s']['p50'], '{:.4f}')} / {_f(p['tpot_s']['p99'], '{:.4f}')}",
+                         _f(p["latency_s"]["p99"], "{:.3f}"),
+                         f"{_f(good.get('mean'))} {_ci(good.get('ci95'))}" if slo else "-",
+                         _f(p.get("slo_attainment"), "{:.0%}", "-"),
+                         f"{_f(vs.get('median'), '{:.2f}x', '-')} {_ci(vs.get('ci95'))}".strip(),
+                         _f(None if lag.get("p99") is None else 1e3 * lag["p99"], "{:.1f}", "-")])
+    words = ", ".join(f"{k.removesuffix('_s')} <= {v:g} s" for k, v in slo.items()) or "none given (--slo)"
+    blocks = [Heading("Offered load"),
+              Para(f"Requests sent at each load's arrival times (the same for every config and trial); the "
+                   f"accuracy verdict and speedups above are the {serving['primary']} load's. SLOs: {words}. "
+                   "Send lag is how late the measuring client handed a request over (docs/serving-load.md)."),
+              Table(["config", "load", "achieved req/s", "output tok/s", "TTFT P50 / P99 s", "TPOT P50 / P99 s",
+                     "e2e P99 s", "goodput req/s (95% CI)", "met SLOs", "P99 TTFT vs baseline (95% CI)",
+                     "send lag P99 ms"], rows)]
+    stab = [[name, label, _f(p["stability"]["median_cv"], "{:.3f}"), _f(p["stability"]["worst_min_over_mean"]),
+             _f(p["stability"]["worst_max_over_mean"]), f"{p['stability']['window_s']:g}"]
+            for name, points in serving["configs"].items() for label, p in points.items() if p.get("stability")]
+    if stab:
+        blocks.append(Table(["config", "fluctuating load", "CV of window tok/s (median over trials)",
+                             "lowest window / mean", "highest window / mean", "window s"], stab))
+    return blocks
+
+
 def _memory_blocks(summary: dict) -> list:
     """Expert memory (every expert byte the store held) and peak RSS per config beside decode tok/s;
     with an all-resident reference in the run, the offload trade-off and the penalty lookahead hides."""
@@ -433,6 +468,7 @@ def build_document(summary: dict, samples, images: list[tuple[str, Path]]) -> Do
     doc.add(Heading("Throughput: decode and whole run"), *_throughput_blocks(summary))
     if len(summary["configs"]) > 1:
         doc.add(Heading("Paired accuracy vs the baseline"), _mcnemar_table(summary), *_verdict_blocks(summary))
+    doc.add(*_serving_blocks(summary))
     doc.add(Heading("Batching, expert store and roofline"), *_engine_tables(summary))
     doc.add(*_memory_blocks(summary))
     doc.add(*_activation_blocks(summary))

@@ -41,7 +41,8 @@ def met_slos(df: pd.DataFrame, slo: dict[str, float]) -> pd.Series:
 
 
 def _mean_interval(values: list[float]) -> dict:
-    """Mean with a Student t interval over trials (goodput can be 0, so not on logs)."""
+    """Mean with a Student t interval over trials (goodput can be 0, so not on logs), cut at 0: a rate
+    below 0 is impossible, so cutting there loses no coverage."""
     x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
     if x.size == 0:
         return {"mean": None, "ci95": None, "trials": []}
@@ -50,7 +51,8 @@ def _mean_interval(values: list[float]) -> dict:
     from scipy.stats import t as student_t
 
     half = student_t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
-    return {"mean": float(x.mean()), "ci95": [float(x.mean() - half), float(x.mean() + half)], "trials": x.tolist()}
+    return {"mean": float(x.mean()), "ci95": [max(float(x.mean() - half), 0.0), float(x.mean() + half)],
+            "trials": x.tolist()}
 
 
 def _geo_interval(values: list[float]) -> dict:
