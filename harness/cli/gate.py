@@ -22,7 +22,7 @@ def gate_command(
     max_slowdown: float | None = typer.Option(None, "--max-slowdown", help=f"Allowed fall of the speedup below the committed one ({_HELP_DEFAULT.format(DEFAULTS.max_slowdown)})."),
     margin: float | None = typer.Option(None, "--margin", help=f"Accuracy points a config may lose: the one accuracy knob ({_HELP_DEFAULT.format(DEFAULTS.margin)})."),
     on_inconclusive: str | None = typer.Option(None, "--on-inconclusive", help=f"A rule the run is too small to judge: fail (exit 3), warn or pass (exit 0, said so) ({_HELP_DEFAULT.format(DEFAULTS.on_inconclusive)})."),
-    max_p99_ttft_increase: float | None = typer.Option(None, "--max-p99-ttft-increase", help="With offered loads (moebench run --request-rate): how much the gated config's P99 TTFT may exceed the baseline's at every load, as a fraction (0.1: 10%; its 95% CI upper end counts). Default: no latency rule."),
+    max_ttft_rise: float | None = typer.Option(None, "--max-ttft-rise", help="With offered loads (moebench run --request-rate): how much the gated config's P99 TTFT may exceed the baseline's at every load, as a fraction (0.1: 10%; its 95% CI upper end counts). Default: no latency rule."),
     junit: Path | None = typer.Option(None, "--junit", help="Also write the rules as JUnit XML here."),
     markdown: Path | None = typer.Option(None, "--markdown", help="Also write the rule table as Markdown here."),
 ) -> None:
@@ -35,7 +35,7 @@ def gate_command(
     pol = with_overrides(load_policy(policy), config=config, metric=metric, min_speedup=min_speedup,
                          min_identical=min_identical,
                          max_slowdown=max_slowdown, baseline=str(baseline) if baseline else None,
-                         margin=margin, on_inconclusive=on_inconclusive, max_p99_ttft_increase=max_p99_ttft_increase)
+                         margin=margin, on_inconclusive=on_inconclusive, max_ttft_rise=max_ttft_rise)
     from moebench.results.summary import read_summary
 
     summary, checked = verified_summary(run_dir)

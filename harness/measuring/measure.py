@@ -44,7 +44,7 @@ def run_sampling(args):
 
 
 def _completed_trials(run_dir: Path) -> set[tuple]:
-    from moebench.measuring.run import trial_key
+    from moebench.measuring.samples import trial_key
 
     f = run_dir / "trials.jsonl"
     return {trial_key(r) for r in read_jsonl(f)} if f.exists() else set()
@@ -52,7 +52,7 @@ def _completed_trials(run_dir: Path) -> set[tuple]:
 
 def _drop_partial_samples(run_dir: Path, done: set[tuple]) -> None:
     """A trial's timing is only valid whole: samples of an unfinished trial are redone on resume."""
-    from moebench.measuring.run import trial_key
+    from moebench.measuring.samples import trial_key
 
     f = run_dir / "samples.jsonl"
     if not f.exists():

@@ -227,13 +227,10 @@ def _drop_torn_tails(run_dir: Path) -> None:
                       "interrupted write; its trial is redone", file=sys.stderr)
 
 
-def trial_key(record: dict) -> tuple:
-    """What one trial is: a config's trial number at one offered load (None: the closed loop without loads)."""
-    return record["config"], record["trial"], record.get("load")
-
-
 def kept_trials_note(run_dir: Path, total: int | None = None) -> str:
     """How much of an interrupted run is kept: only complete trials count (resume redoes the rest)."""
+    from moebench.measuring.samples import trial_key
+
     try:
         done = {trial_key(r) for r in read_jsonl(run_dir / "trials.jsonl")} \
             if (run_dir / "trials.jsonl").exists() else set()
@@ -510,7 +507,7 @@ def _load_record(args, suite_obj) -> dict:
         return {}
     n = len(suite_obj.items)
     return {"loads": [{**ld.to_dict(), "arrivals_s": None if ld.closed else
-                       [round(t, 6) for t in ld.offsets(n, args.seed)]} for ld in loads],
+                       ld.offsets(n, args.seed)} for ld in loads],
             "primary_load": primary_load(loads).label, "slo": args.slos()}
 
 

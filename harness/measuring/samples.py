@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def trial_key(record: dict) -> tuple:
+    """What one trial is, in samples.jsonl and trials.jsonl: a config's trial number at one offered
+    load (None: the closed loop of a run without loads)."""
+    return record["config"], record["trial"], record.get("load")
+
+
 def sample_record(cfg_name, trial, item, suite, completion) -> dict:
     """One line of samples.jsonl; a failed request (HTTP engines) is kept, with its error."""
     if completion.error is not None:

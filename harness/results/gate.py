@@ -18,9 +18,9 @@ whole-run output tok/s or decode tok/s):
              workload could not exercise passes, and says "not exercised")
   regression with a committed summary: the gated config's speedup CI upper bound
              >= committed median x (1 - max_slowdown); no interval is inconclusive
-  latency    with max_p99_ttft_increase set: at every offered load, the gated config's P99 TTFT
+  latency    with max_ttft_rise set: at every offered load, the gated config's P99 TTFT
              over the baseline's (per-trial paired ratios, 95% CI) passes when the upper end is
-             <= 1 + max_p99_ttft_increase, fails when the lower end is above it, else (or with no
+             <= 1 + max_ttft_rise, fails when the lower end is above it, else (or with no
              offered loads in the run) is inconclusive
 Approximate configs (policy `approximate`, or marked so in the run's manifest) may change
 outputs: only the verdict judges their accuracy.
@@ -212,8 +212,8 @@ def evaluate(summary: dict, policy: Policy, committed: dict | None = None,
             if not approximate(c, policy):
                 rules.append(_identity_rule(c, policy))
     rules += [_activation_rule(c) for c in summary["configs"]]
-    if policy.max_p99_ttft_increase is not None:
-        rules += _latency_rules(summary, name, policy.max_p99_ttft_increase)
+    if policy.max_ttft_rise is not None:
+        rules += _latency_rules(summary, name, policy.max_ttft_rise)
     return rules
 
 

@@ -37,7 +37,7 @@ class Policy:
     on_inconclusive: str = "fail"    # a rule the run is too small to judge: fail (exit 3), warn or pass (exit 0)
     # with offered loads (--request-rate): the gated config's P99 TTFT over the baseline's, at every load,
     # may rise by at most this fraction (its 95% CI upper end counts); None: no latency rule
-    max_p99_ttft_increase: float | None = None
+    max_ttft_rise: float | None = None
     source: str = field(default=BUILT_IN, compare=False)  # where the policy came from (not a key)
 
     def __post_init__(self):
@@ -45,8 +45,8 @@ class Policy:
             raise MoebenchError(f"policy metric {self.metric!r}: choose from {', '.join(METRICS)}")
         if not 0 < self.margin < 100:
             raise MoebenchError(f"policy margin {self.margin!r}: give accuracy points between 0 and 100")
-        if self.max_p99_ttft_increase is not None and not self.max_p99_ttft_increase >= 0:
-            raise MoebenchError(f"policy max_p99_ttft_increase {self.max_p99_ttft_increase!r}: give a fraction >= 0 "
+        if self.max_ttft_rise is not None and not self.max_ttft_rise >= 0:
+            raise MoebenchError(f"policy max_ttft_rise {self.max_ttft_rise!r}: give a fraction >= 0 "
                                 "(0.1: P99 TTFT at most 10% above the baseline's)")
         if self.on_inconclusive not in ON_INCONCLUSIVE:
             raise MoebenchError(f"policy on_inconclusive {self.on_inconclusive!r}: choose from "
@@ -67,7 +67,7 @@ RETIRED = {
 
 DEFAULTS = Policy()
 _KEYS = {f.name for f in fields(Policy)} - {"source"}
-_NUMBERS = {"min_speedup", "min_identical", "max_slowdown", "margin", "max_p99_ttft_increase"}
+_NUMBERS = {"min_speedup", "min_identical", "max_slowdown", "margin", "max_ttft_rise"}
 
 
 def load_policy(path: Path | None) -> Policy:
