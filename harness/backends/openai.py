@@ -22,6 +22,7 @@ latency are counted from the actual send in both.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import random
@@ -212,39 +213,26 @@ class OpenAIEngine:
                         error = f"HTTP {response.status}: {detail}"
                         retry = response.status in RETRYABLE_STATUS
                     else:
-                        # whatever one read brings is split into lines here rather than awaited
-                        # line by line (aiohttp's readline): one event-loop round per read instead
-                        # of two per event, the CPU that decides how late open-loop sends go out.
-                        # Events read together arrived together, and get that one time.
-                        content, rest, ended, done = response.content, b"", False, False
-                        while not (ended or done or error):
-                            data = await content.readany()
-                            now = time.perf_counter() - sent
-                            if data:
-                                lines = (rest + data).split(b"\n")
-                                rest = lines.pop()
-                            else:
-                                lines, ended = [rest], True
-                            for line in lines:
-                                if not line.startswith(b"data:"):
-                                    continue
-                                data = line[5:].strip()
-                                if data == b"[DONE]":
-                                    done = True
-                                    break
-                                chunk = json.loads(data)
-                                if "error" in chunk:
-                                    error = f"server error: {json.dumps(chunk['error'])[:200]}"
-                                    break
-                                usage = chunk.get("usage") or usage
-                                for choice in chunk.get("choices") or []:
-                                    piece = (choice.get("delta") or {}).get("content") if o.chat else choice.get("text")
-                                    if piece:
-                                        times.append(now)
-                                        text.append(piece)
-                                    finish = choice.get("finish_reason") or finish
-                        if not done and finish is None and error is None:
-                            raise aiohttp.ClientPayloadError("the stream ended before [DONE]")
+                        async for line in response.content:
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                break
+                            chunk = json.loads(data)
+                            if "error" in chunk:
+                                error = f"server error: {json.dumps(chunk['error'])[:200]}"
+                                break
+                            usage = chunk.get("usage") or usage
+                            for choice in chunk.get("choices") or []:
+                                piece = (choice.get("delta") or {}).get("content") if o.chat else choice.get("text")
+                                if piece:
+                                    times.append(time.perf_counter() - sent)
+                                    text.append(piece)
+                                finish = choice.get("finish_reason") or finish
+                        else:
+                            if finish is None and error is None:
+                                raise aiohttp.ClientPayloadError("the stream ended before [DONE]")
             except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
                 error = f"{type(e).__name__}: {str(e)[:160]}"
                 retry = not times  # a retry after tokens arrived would count them twice
@@ -292,13 +280,22 @@ class OpenAIEngine:
             if not open_loop:
                 await asyncio.gather(*(one(r) for r in requests))
             else:
-                # one dispatcher walks the schedule, so requests go out in its order even where
-                # offsets tie (the loop's timer heap does not keep ties in order)
-                tasks = []
-                for request, offset in zip(requests, arrivals):
-                    await _wait_until(start + offset)
-                    tasks.append(asyncio.create_task(arriving(request, offset)))
-                await asyncio.gather(*tasks)
+                # A full collection stops the loop for as long as it takes to walk every object of
+                # the process (tens of ms, more with a model's worth of modules loaded), and sends
+                # due meanwhile go out that late: what exists now is set aside for the trial.
+                frozen = gc.get_freeze_count() == 0
+                gc.freeze()
+                try:
+                    # one dispatcher walks the schedule, so requests go out in its order even
+                    # where offsets tie (the loop's timer heap does not keep ties in order)
+                    tasks = []
+                    for request, offset in zip(requests, arrivals):
+                        await _wait_until(start + offset)
+                        tasks.append(asyncio.create_task(arriving(request, offset)))
+                    await asyncio.gather(*tasks)
+                finally:
+                    if frozen:
+                        gc.unfreeze()
             wall = time.perf_counter() - start
         order = {r.id: i for i, r in enumerate(requests)}
         done.sort(key=lambda c: order[c.id])
