@@ -48,9 +48,9 @@ def _check_streams(completions, tokens: int) -> None:
         assert c.output_tokens == tokens and len(c.token_times) == tokens
         assert c.text == "".join(f" t{k}" for k in range(tokens))
         assert c.finish_reason == "length"
-        # the server cannot answer before its configured TTFT has passed since it read the request
+        # the server never writes a token before its deadline, counted from when it read the request
         assert c.ttft_s >= TTFT
-        assert c.latency_s >= c.ttft_s + (tokens - 1) * INTERVAL - 1e-3
+        assert c.latency_s >= TTFT + (tokens - 1) * INTERVAL
 
 
 def test_open_loop_sends_every_request_on_schedule(server):
