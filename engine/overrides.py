@@ -41,6 +41,12 @@ class Overrides:
     huge_pages: bool = True
     # accept every torch fallback (no compiler, no AVX2) instead of failing the activation check
     allow_fallback: bool = False
+    # what int4 weights meet in the C++ dense and fused MoE kernels: f32 activations (weight-only,
+    # exact to the dequantized weights) or q8, each activation row quantized per block of 32 to int8
+    # with a float32 scale and dotted in integers, as llama.cpp's Q4_0 x Q8_0 (kernels/csrc/q8_cpu.h).
+    # The one override that changes results: APPROXIMATE, off unless asked for, in the manifest with the
+    # others, and counted where it ran (simd_stats: q8_weight_rows, q8_activation_rows)
+    activations: str = "f32"
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
@@ -95,11 +101,12 @@ VARIABLES = {
     "dense_weights": "MOEBENCH_DENSE_WEIGHTS",
     "huge_pages": "MOEBENCH_HUGE_PAGES",
     "allow_fallback": "MOEBENCH_ALLOW_FALLBACK",
+    "activations": "MOEBENCH_ACTIVATIONS",
 }
 KERNEL_OR_TORCH = ("kernel", "torch")
 CHOICES = {"moe_op": KERNEL_OR_TORCH, "attention": KERNEL_OR_TORCH, "dense": KERNEL_OR_TORCH,
            "norms": KERNEL_OR_TORCH, "expert_loader": ("native", "python"), "expert_store": ("auto", "native", "python"),
-           "dense_weights": ("checkpoint", "float32")}
+           "dense_weights": ("checkpoint", "float32"), "activations": ("f32", "q8")}
 DEFAULT = Overrides()
 
 
@@ -113,8 +120,20 @@ def apply_process_overrides(overrides: Overrides, extension: bool = True) -> Non
 
     memory.set_huge_pages(overrides.huge_pages)
     ext = load_extension() if extension else None
+    if overrides.activations != "f32" and (ext is None or not hasattr(ext, "set_activations")):
+        # the torch path computes int4 weights with float32 activations: the switch would do nothing
+        message = (f"{VARIABLES['activations']}={overrides.activations}: no C++ kernel here quantizes activations "
+                   "(the extension did not build, or this is not a CPU run); int4 weights would meet float32 "
+                   "activations in torch")
+        if not overrides.allow_fallback:
+            raise MoebenchError(message + f" (set {VARIABLES['allow_fallback']}=1 to accept that)")
+        import warnings
+
+        warnings.warn("moebench: FALLBACK: " + message, RuntimeWarning, stacklevel=2)
     if ext is None:
         return
+    if hasattr(ext, "set_activations"):  # every engine of the process sets it: none inherits another's
+        ext.set_activations(overrides.activations)
     if not hasattr(ext, "set_overrides"):  # a build that reads MOEBENCH_AVX512 and the spin itself
         return
     if not ext.set_overrides(overrides.avx512, overrides.pool_spin_us):

@@ -51,7 +51,7 @@ EXTENSION = Extension("moebench_moe_cpu", "the CPU MoE kernel and decode attenti
                       estimate="about 2 min 20 s on a 2-core machine, up to 80 s more under load",
                       headers=tuple(CSRC.with_name(h) for h in ("cpu_common.h", "spin.h", "norms_cpu.h", "pool.h", "ops.h",
                                                                 "weight_format.h", "distinct_experts.h",
-                                                                "int4_cpu.h")))
+                                                                "int4_cpu.h", "q8_cpu.h")))
 
 BACKEND_CPP = "cpp-avx2-pool"
 BACKEND_TORCH = "torch-grouped"

@@ -19,7 +19,8 @@ from torch import Tensor
 
 __all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index", "lm_head_reference",
            "unpack_int8_rows", "rows_linear_reference", "unpack_int4_rows", "dequantize_int4_rows",
-           "stored_width", "stored_columns"]
+           "stored_width", "stored_columns", "quantize_q8_rows", "q4_q8_dot_reference", "q4_q8_linear_reference",
+           "moe_q8_reference"]
 
 
 def topk_lowest_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -196,3 +197,71 @@ def rows_linear_reference(x: Tensor, w: Tensor) -> Tensor:
     if w.dtype == torch.uint8:
         return (x.float() @ dequantize_int4_rows(w).T).to(x.dtype)
     return x @ w.to(x.dtype).T
+
+
+# Activations quantized per block of 32 values (the activations override q8, kernels/csrc/q8_cpu.h,
+# docs/int4.md): an approximation, as llama.cpp's Q8_0 activations of its Q4_0 dot products. The kernels
+# compute exactly what these functions compute, float32 operation for float32 operation.
+Q8_GROUP = 32
+
+
+def quantize_q8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(q int8 [..., K], d float32 [..., K / 32]) of float32 rows x [..., K] (K a multiple of 32): per
+    block, amax = max |x|, d = amax / 127, q = x * (127 / amax) rounded half to even (0 where amax is 0),
+    as ggml's AVX2 quantize_row_q8_0, but d kept in float32 (ggml rounds it to float16)."""
+    *lead, k = x.shape
+    blocks = x.float().reshape(*lead, k // Q8_GROUP, Q8_GROUP)
+    amax = blocks.abs().amax(dim=-1)
+    d = amax / 127
+    inv = torch.where(amax != 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return q.reshape(*lead, k), d
+
+
+def q4_q8_dot_reference(q: Tensor, d: Tensor, w: Tensor) -> Tensor:
+    """[N, M] float32: quantized tokens (q [N, K] int8, d [N, K / 32], quantize_q8_rows) dotted with int4
+    rows w [M, K / 32 * 18] as the kernel sums them: eight float32 lanes, lane j taking values 4j..4j+3
+    of each block; per block its lane's exact integer sum i, then acc = acc + float(i) * (d_w * d_x)
+    (each operation rounded on its own); then the lanes in hsum's order, (l0 + l4 + l2 + l6) + ...:
+    s_i = l_i + l_(i+4), result (s0 + s2) + (s1 + s3)."""
+    values, dw = unpack_int4_rows(w)  # [M, K] int8 in [-8, 7], [M, K / 32]
+    n, k = q.shape
+    m = values.shape[0]
+    blocks = k // Q8_GROUP
+    wl = values.to(torch.int32).reshape(1, m, blocks, 8, 4)
+    xl = q.to(torch.int32).reshape(n, 1, blocks, 8, 4)
+    acc = torch.zeros(n, m, 8, dtype=torch.float32)
+    for b in range(blocks):
+        isum = (wl[:, :, b] * xl[:, :, b]).sum(dim=-1)  # [N, M, 8], exact
+        scale = dw[None, :, b] * d[:, None, b]  # [N, M] float32
+        acc = acc + isum.float() * scale[..., None]
+    s = acc[..., :4] + acc[..., 4:]
+    return (s[..., 0] + s[..., 2]) + (s[..., 1] + s[..., 3])
+
+
+def q4_q8_linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [N, K] float32 @ int4 rows w.T with x quantized per block (the dense kernel with q8 activations),
+    plus the bias after the dot."""
+    out = q4_q8_dot_reference(*quantize_q8_rows(x), w)
+    return out + bias.float() if bias is not None else out
+
+
+def moe_q8_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The fused MoE kernel with int4 experts and q8 activations: each token quantized once, each
+    (token, rank) pair's silu(gate) * up row quantized once, the dots as q4_q8_dot_reference, the
+    routed weight times each down row, and each token's k rows added in rank order (moe_reference's)."""
+    n, k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    xq, xd = quantize_q8_rows(x)
+    pairs = torch.empty(n * k, w2.shape[1], dtype=torch.float32)
+    for p in range(n * k):
+        t, e = p // k, int(topk_ids.reshape(-1)[p])
+        o = q4_q8_dot_reference(xq[t:t + 1], xd[t:t + 1], w13[e])[0]
+        h = F.silu(o[:inter]) * o[inter:]
+        hq, hd = quantize_q8_rows(h[None])
+        pairs[p] = topk_weights.reshape(-1)[p].float() * q4_q8_dot_reference(hq, hd, w2[e])[0]
+    pairs = pairs.view(n, k, -1)
+    out = pairs[:, 0].clone()
+    for rank in range(1, k):
+        out += pairs[:, rank]
+    return out

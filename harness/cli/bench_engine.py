@@ -28,6 +28,7 @@ def bench_engine_command(
     decode_path: str = typer.Option("native", "--decode-path", help="How the runtime's decode steps run: native (every layer in one C++ call; needs --kernel fused), chained (the C++ ops layer by layer) or eager (each op from Python, no step thread pool)."),
     lm_head: str = typer.Option("f32", "--lm-head", help="The runtime's LM head precision: f32, bf16, int8 or fp8 (weight-only, float32 accumulation; approximate). --vs moebench times it against the float32 head."),
     weights: str = WEIGHTS,
+    activations: Optional[str] = typer.Option(None, "--activations", help="What --weights int4 meets in the kernels: f32 (weight-only, the default) or q8 (each activation row quantized per block of 32 to int8 with a float32 scale, integer dot products, as llama.cpp's Q4_0 x Q8_0; APPROXIMATE, recorded in the JSON). Same as MOEBENCH_ACTIVATIONS."),
     hf_experts: str = typer.Option("eager", "--hf-experts", help="transformers' expert implementation: eager (its per-expert loop, like kernel=naive) or grouped_mm (its default in v5, a fused path)."),
     hf_huge_pages: bool = typer.Option(True, "--hf-huge-pages/--hf-default-pages", help="Move transformers' weights into huge pages too, as the engine places its own (the like-for-like comparison); --hf-default-pages leaves them where transformers puts them."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the figures, settings and machine as JSON here (a manifest of the benchmark)."),
@@ -36,4 +37,4 @@ def bench_engine_command(
     bytes per step, the roofline at the bandwidth measured in the same run, and greedy agreement."""
     from moebench.measuring.bench_engine import bench_engine
 
-    bench_engine(model=model, vs=vs, llama_bench=llama_bench, batch=batch, threads=threads, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, layers=layers, kernel=kernel, scheduler=scheduler, dtype=dtype, gguf_dtype=gguf_dtype, decode_path=decode_path, lm_head=lm_head, weights=weights, hf_experts=hf_experts, hf_huge_pages=hf_huge_pages, out=out)
+    bench_engine(model=model, vs=vs, llama_bench=llama_bench, batch=batch, threads=threads, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, layers=layers, kernel=kernel, scheduler=scheduler, dtype=dtype, gguf_dtype=gguf_dtype, decode_path=decode_path, lm_head=lm_head, weights=weights, hf_experts=hf_experts, hf_huge_pages=hf_huge_pages, out=out, activations=activations)

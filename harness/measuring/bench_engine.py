@@ -52,6 +52,7 @@ from rich.console import Console
 
 from moebench.measuring.bench_engine_table import interval_text, print_table  # noqa: F401 (interval_text: pool_bench_engine's)
 from moebench.backends.batched_bench import LlamaBatchedBenchSide
+from moebench.measuring.bench_engine_q8 import require_q8_ran, side_name, with_activations
 from moebench.engine.overrides import Overrides
 from moebench.errors import MoebenchError
 from moebench.measuring.bench_models import DEFAULT_SHAPE, write_random_model
@@ -102,6 +103,7 @@ class BundledSide:
         seconds = time.perf_counter() - start
         if result.activation_errors:
             raise MoebenchError("bundled runtime: " + "; ".join(result.activation_errors))
+        require_q8_ran(self.overrides, result.evidence)  # --activations q8 (approximate): seen where it ran
         self.last_steps, self.last_evidence = result.steps, result.evidence
         return seconds, [c.output_ids for c in result.completions]
 
@@ -372,8 +374,7 @@ def bench_engine(
     weights: str,
     hf_experts: str,
     hf_huge_pages: bool,
-    out: Optional[Path],
-) -> None:
+    out: Optional[Path], activations: Optional[str] = None) -> None:
     """Decode tok/s of the bundled runtime against transformers or llama.cpp on one checkpoint, with
     bytes per step, the roofline at the bandwidth measured in the same run, and greedy agreement."""
     if vs not in VS_CHOICES:
@@ -424,7 +425,7 @@ def bench_engine(
                 if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
                     write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
         # experts as the store holds them on the CPU (a bfloat16 checkpoint's stay bfloat16), as `run` loads
-        overrides = Overrides.from_environment(os.environ)  # read once, here
+        overrides = with_activations(Overrides.from_environment(os.environ), activations, weights)  # read once, here
         ckpt = load_checkpoint(path, experts_in_checkpoint_dtype=True, overrides=overrides)
         held = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(ckpt.checkpoint_dtype)
         if held is None or (dtype is not None and dtype != held):
@@ -465,7 +466,7 @@ def bench_engine(
         server = next((o for o in others if isinstance(o, LlamaServerSide)), None)
         batched_bench = next((o for o in others if isinstance(o, LlamaBatchedBenchSide)), None)
         bundled = BundledSide(ckpt, kernel, scheduler, decode_path, lm_head, weights=weights, overrides=overrides,
-                              name="moebench" + (f" {weights}" if weights != "f32" else "")
+                              name="moebench" + (f" {weights}" if weights != "f32" else "") + side_name(overrides)
                               + (f" {lm_head} head" if lm_head != "f32" else ""))
 
         rows = []
@@ -572,7 +573,7 @@ def bench_engine(
                 "params": ckpt.num_params, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                 "dtype": dtype, "dense_dtype": str(ckpt.dense_dtype).replace("torch.", ""),
                 "gguf_dtype": gguf_dtype if vs == "llama.cpp" else None, "llama_bench": llama_bench,
-                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "weights": weights, "batches": batches, "threads": thread_counts,
+                "kernel": kernel, "scheduler": scheduler, "decode_path": decode_path, "lm_head": lm_head, "weights": weights, "activations": overrides.activations, "overrides": overrides.to_dict(), "batches": batches, "threads": thread_counts,
                 "threads_default": default_threads, "threads_reason": THREADS_REASON if default_threads else "given",
                 "machine": describe_machine(measure_bandwidth=False),
                 "runtime_evidence": bundled.last_evidence,

@@ -278,3 +278,5 @@ inline void dot_rows_streamed(Row row, int64_t rows, int64_t tokens, const float
 
 // int4 rows (Q4_0 blocks): the overloads the templates above pick for them
 #include "int4_cpu.h"
+// int4 rows with activations quantized per block of 32 (the activations override q8; approximate)
+#include "q8_cpu.h"

@@ -32,6 +32,11 @@ namespace moebench_cpu {
 std::atomic<int64_t> g_streamed_rows[2];
 std::atomic<int64_t> g_tiled_rows[2];
 std::atomic<int64_t> g_run_bytes{128 * 1024};
+std::atomic<int64_t> g_q8_weight_rows{0};
+std::atomic<int64_t> g_q8_activation_rows{0};
+std::atomic<bool> g_q8_activations{false};
+
+bool q8_activations() { return g_q8_activations.load(std::memory_order_relaxed); }
 
 bool avx512_streams() {
   static const bool on = [] {
@@ -252,6 +257,33 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
   }
 }
 
+// int4 rows with q8 activations (q8_cpu.h): the N tokens quantized once, then every item's rows with
+// every token. Items are sized as the weight-only kernel's (streamed_item_rows) for any N: the rows
+// are read as four runs and meet 3 tokens at a time while they are in L1.
+void dense_q4q8(const float* x, int64_t ldx, int64_t N, int64_t K, const moebench_cpu::Q4* w, int64_t ldw, int64_t M,
+                const float* bias, float* out, int threads) {
+  thread_local moebench_cpu::Q8Tokens tokens;  // the caller's thread quantizes; the pool's threads only read
+  tokens.resize(N, K);
+  std::vector<int64_t> order(static_cast<size_t>(N));
+  for (int64_t t = 0; t < N; ++t) {
+    tokens.quantize(t, x + t * ldx);
+    order[t] = t;
+  }
+  moebench_cpu::g_q8_activation_rows.fetch_add(N, std::memory_order_relaxed);
+  const int64_t rows_per_item = moebench_cpu::streamed_item_rows(
+      ldw, kRowsPerItem, kMaxStreamedItemRows, threads, [M](int64_t r) { return (M + r - 1) / r; });
+  const int64_t items = (M + rows_per_item - 1) / rows_per_item;
+  const moebench_cpu::Q8Tokens& q8 = tokens;
+  parallel_for(items, threads, [&](int64_t i) {
+    const int64_t r0 = i * rows_per_item, r1 = std::min(M, r0 + rows_per_item);
+    thread_local std::vector<float> o;
+    o.resize(static_cast<size_t>((r1 - r0) * N));
+    moebench_cpu::q4q8_dot_rows([&](int64_t r) { return w + (r0 + r) * ldw; }, r1 - r0, q8, order.data(), N, o.data());
+    for (int64_t r = 0; r < r1 - r0; ++r)
+      for (int64_t t = 0; t < N; ++t) out[t * M + r0 + r] = o[r * N + t] + (bias != nullptr ? bias[r0 + r] : 0.0f);
+  });
+}
+
 }  // namespace
 
 // x [N, K] float32 (rows contiguous), w [M, K] float32 or bfloat16 (rows contiguous), bias [M] or
@@ -313,6 +345,11 @@ void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const
     case torch::kByte:  // int4 rows, Q4_0 blocks (int4_cpu.h): the scales are in the blocks
       TORCH_CHECK(K % moebench_cpu::kQ4Values == 0 && w.size(1) == moebench_cpu::q4_row_bytes(K),
                   "dense_linear_into: int4 rows must be whole Q4_0 blocks, ", moebench_cpu::q4_row_bytes(K), " bytes");
+      if (moebench_cpu::q8_activations()) {
+        dense_q4q8(xp, ldx, N, K, reinterpret_cast<const moebench_cpu::Q4*>(w.data_ptr<uint8_t>()), ldw, M, bp, op,
+                   threads);
+        break;
+      }
       run(reinterpret_cast<const moebench_cpu::Q4*>(w.data_ptr<uint8_t>()), nullptr);
       break;
     default: TORCH_CHECK(false, "dense_linear_into: unsupported weight dtype ", w.scalar_type());
@@ -457,6 +494,10 @@ pybind11::dict simd_stats() {
   d["avx512_rows"] = moebench_cpu::g_streamed_rows[1].load(std::memory_order_relaxed);
   d["avx2_tiled_rows"] = moebench_cpu::g_tiled_rows[0].load(std::memory_order_relaxed);
   d["avx512_tiled_rows"] = moebench_cpu::g_tiled_rows[1].load(std::memory_order_relaxed);
+  // the activations override (q8_cpu.h): int4 rows dotted with q8 tokens, token rows quantized
+  d["activations"] = moebench_cpu::q8_activations() ? "q8" : "f32";
+  d["q8_weight_rows"] = moebench_cpu::g_q8_weight_rows.load(std::memory_order_relaxed);
+  d["q8_activation_rows"] = moebench_cpu::g_q8_activation_rows.load(std::memory_order_relaxed);
   return d;
 }
 
@@ -504,5 +545,13 @@ void register_dense(pybind11::module& m) {
   }, "The length a run of streamed rows aims at (cpu_common.h: streamed_item_rows); 0: a fixed row count per item");
   m.def("stream_run_bytes", [] { return moebench_cpu::g_run_bytes.load(std::memory_order_relaxed); },
         "The length a run of streamed rows aims at now, in bytes");
+  m.def("set_activations", [](const std::string& activations) {
+    TORCH_CHECK(activations == "f32" || activations == "q8", "set_activations: f32 or q8, not ", activations);
+    moebench_cpu::g_q8_activations.store(activations == "q8", std::memory_order_relaxed);
+  }, "What int4 weights meet in the dense and fused MoE kernels: f32 activations (exact) or q8, activations "
+     "quantized per block of 32 to int8 with a float32 scale and integer dot products (approximate)",
+        pybind11::arg("activations"));
+  m.def("activations", [] { return std::string(moebench_cpu::q8_activations() ? "q8" : "f32"); },
+        "The activations int4 weights meet now (set_activations)");
   m.def("simd_stats", &simd_stats, "The streamed dots' and tiles' kernel in this process (avx512 or avx2) and the rows each one read so far");
 }

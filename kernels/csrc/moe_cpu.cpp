@@ -238,6 +238,21 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   const int64_t nb_gu = (I + gate_up_block - 1) / gate_up_block;
   const int64_t nb_dn = (H + down_block - 1) / down_block;
 
+  // int4 experts with q8 activations (q8_cpu.h, approximate): the tokens quantized once here, each
+  // pair's intermediate row once between the phases; every expert's rows meet them 3 at a time
+  constexpr bool kQ4 = std::is_same_v<W, moebench_cpu::Q4>;
+  const bool q8 = kQ4 && moebench_cpu::q8_activations();
+  moebench_cpu::Q8Tokens xq8, hq8;
+  std::vector<int64_t> seq;
+  if (q8) {
+    xq8.resize(N, H);
+    for (int64_t t = 0; t < N; ++t) xq8.quantize(t, x + t * ldx);
+    hq8.resize(P, I);
+    seq.resize(P);
+    for (int64_t q = 0; q < P; ++q) seq[q] = q;
+    moebench_cpu::g_q8_activation_rows.fetch_add(N + P, std::memory_order_relaxed);
+  }
+
   // 2. gate/up with SiLU(gate) * up, one item per (active expert, intermediate-row block).
   parallel_for(A * nb_gu, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_gu];
@@ -246,6 +261,18 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const W* we = w13 + e * s13e;
     const float* const* xs = xrow.data() + q0;
     float* hb = hbuf.get() + q0 * I;
+    if constexpr (kQ4) {
+      if (q8) {
+        const int64_t m = j1 - j0;
+        thread_local std::vector<float> o;
+        o.resize(static_cast<size_t>(2 * m * n));
+        auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
+        moebench_cpu::q4q8_dot_rows(row, 2 * m, xq8, tok.data() + q0, n, o.data());
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t jj = 0; jj < m; ++jj) hb[t * I + j0 + jj] = silu(o[jj * n + t]) * o[(m + jj) * n + t];
+        return;
+      }
+    }
     if (n <= 3) {  // the block's gate rows and up rows read as streams (cpu_common.h)
       const int64_t m = j1 - j0;
       float o[2 * kMaxGateUpBlock * 3];
@@ -283,6 +310,8 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   // rows): each item streams one contiguous run of the expert's rows and writes its (token, rank)
   // pairs' output rows, which no other item writes.
   float* ob = obuf.get();
+  if (q8)
+    for (int64_t q = 0; q < P; ++q) hq8.quantize(q, hrow[q]);
   parallel_for(A * nb_dn, num_threads, [&](int64_t item) {
     const int64_t e = active[item / nb_dn];
     const int64_t r0 = (item % nb_dn) * down_block, r1 = std::min(H, r0 + down_block);
@@ -291,6 +320,20 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const float* const* hs = hrow.data() + q0;
     const int64_t* pr = pair.data() + q0;
     const float* wq = wgt.data() + q0;
+    if constexpr (kQ4) {
+      if (q8) {
+        const int64_t m = r1 - r0;
+        thread_local std::vector<float> o;
+        o.resize(static_cast<size_t>(m * n));
+        moebench_cpu::q4q8_dot_rows([&](int64_t i) { return we + (r0 + i) * s2r; }, m, hq8, seq.data() + q0, n, o.data());
+        for (int64_t t = 0; t < n; ++t) {
+          float* dst = ob + pr[t] * H + r0;
+          const float sw = wq[t];
+          for (int64_t i = 0; i < m; ++i) dst[i] = sw * o[i * n + t];
+        }
+        return;
+      }
+    }
     if (n <= 3) {  // the block's rows read as streams (cpu_common.h)
       const int64_t m = r1 - r0;
       float o[kMaxDownBlock * 3];

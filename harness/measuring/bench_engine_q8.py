@@ -1,0 +1,49 @@
+"""bench-engine's `--activations` (the activations override, engine/overrides.py; kernels/csrc/q8_cpu.h):
+int4 weights meeting q8 activations, an approximation, asked for on the command line or by
+MOEBENCH_ACTIVATIONS, refused where it cannot apply, and required to show in the kernels' own counters
+(the runner's streamed_dots: q8_weight_rows) after every timed run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moebench.errors import MoebenchError
+
+
+def with_activations(overrides, activations: str | None, weights: str):
+    """`overrides` with --activations applied (None: as the environment set them), checked: q8 has
+    kernels for int4 weights only, so with other weights it would do nothing, and is refused."""
+    if activations not in (None, "f32", "q8"):
+        raise MoebenchError(f"--activations {activations!r}: choose from f32, q8")
+    if activations is not None:
+        overrides = dataclasses.replace(overrides, activations=activations)
+    if overrides.activations != "f32" and weights != "int4":
+        raise MoebenchError(f"--activations {overrides.activations} (MOEBENCH_ACTIVATIONS): only int4 weights have "
+                            "q8 kernels; give --weights int4")
+    return overrides
+
+
+def side_name(overrides) -> str:
+    return f" x {overrides.activations} activations" if overrides.activations != "f32" else ""
+
+
+def find(tree, key: str):
+    """The first value under `key` anywhere in nested dicts (the evidence's layout is the engine's)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        for value in tree.values():
+            found = find(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def require_q8_ran(overrides, evidence: dict) -> None:
+    """q8 activations asked for and no int4 row met them in the kernels: an error, not a figure."""
+    if overrides.activations == "f32":
+        return
+    dots = find(evidence, "streamed_dots") or {}
+    if not dots.get("q8_weight_rows"):
+        raise MoebenchError(f"bundled runtime: activations {overrides.activations} asked for and no int4 row met "
+                            f"them in the kernels (streamed_dots: {dots})")
