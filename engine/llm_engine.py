@@ -164,8 +164,6 @@ class Engine:
             return GenerationResult([], [], {}, [], 0.0)
 
         session = EngineSession(self, self._kv_blocks(seqs), on_complete, start)
-        if arrivals is not None:  # open loop: the clock starts when the engine is ready for the first request
-            start = session.arrival = time.perf_counter()
         steps: list[dict] = []
         try:
             if arrivals is None:
@@ -174,8 +172,8 @@ class Engine:
                     session.add(s)
                 while session.has_work():
                     steps.append(session.step().to_dict())
-            else:
-                self._run_open_loop(session, seqs, arrivals, start, steps)
+            else:  # the clock starts when the engine's session is ready for the first request
+                start = self._run_open_loop(session, seqs, arrivals, steps)
         finally:
             session.close()
         wall = time.perf_counter() - start
@@ -188,18 +186,21 @@ class Engine:
         return GenerationResult(completions, steps, evidence, errors, wall, session.stats.load.tolist())
 
     @staticmethod
-    def _run_open_loop(session: EngineSession, seqs: list[Sequence], arrivals: list[float], start: float,
-                       steps: list[dict]) -> None:
+    def _run_open_loop(session: EngineSession, seqs: list[Sequence], arrivals: list[float],
+                       steps: list[dict]) -> float:
+        """Steps until every request has arrived and finished; returns the clock's start."""
         from moebench.engine.open_loop import ArrivalFeeder
 
         pending = len(seqs)
-        with ArrivalFeeder(seqs, arrivals, start).running() as feeder:
+        with ArrivalFeeder(seqs, arrivals).running() as feeder:
+            session.arrival = feeder.start
             while pending or session.has_work():
                 for s in feeder.take(block=pending > 0 and not session.has_work()):
                     session.add(s)
                     pending -= 1
                 if session.has_work():
                     steps.append(session.step().to_dict())
+        return feeder.start
 
     def session(self, max_sequence_tokens: int, on_complete: Callable[[Completion], None] | None = None) -> EngineSession:
         """A long-lived session (a server's): its KV cache holds every request the scheduler may keep

@@ -9,6 +9,7 @@ lag) is the measuring client's error, kept apart: `Sequence.scheduled_s` against
 
 from __future__ import annotations
 
+import gc
 import queue
 import sys
 import threading
@@ -18,19 +19,22 @@ from contextlib import contextmanager
 from moebench.engine.sequence import Sequence
 
 # The feeder waits for the GIL whenever the engine's thread runs Python; at the default 5 ms switch
-# interval that wait alone would make a late send. Same interval for every configuration of a load.
+# interval that wait alone would make a late send, and so would a full garbage collection of the
+# model's objects, which holds the GIL for milliseconds (frozen for the open loop, as vLLM freezes
+# them after start-up). The same for every configuration of a load.
 FEEDER_SWITCH_INTERVAL_S = 0.0005
 
 
 class ArrivalFeeder:
-    """Puts each sequence on a queue at `start + offset`; the engine drains the queue between steps."""
+    """Puts each sequence on a queue at `start + offset` (`start`: when `running` began); the engine
+    drains the queue between steps."""
 
-    def __init__(self, seqs: list[Sequence], offsets: list[float], start: float):
+    def __init__(self, seqs: list[Sequence], offsets: list[float]):
         if len(offsets) != len(seqs):
             raise ValueError(f"{len(offsets)} arrival times for {len(seqs)} requests")
         self._due = sorted(zip(offsets, range(len(seqs))))
         self._seqs = seqs
-        self._start = start
+        self.start = 0.0  # perf_counter when the feeder started: offsets count from here
         self.arrived: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, name="moebench-arrivals", daemon=True)
@@ -39,7 +43,7 @@ class ArrivalFeeder:
 
     def _feed(self) -> None:
         for offset, i in self._due:
-            wait = self._start + offset - time.perf_counter()
+            wait = self.start + offset - time.perf_counter()
             if wait > 0 and self._stop.wait(wait):
                 return
             seq = self._seqs[i]
@@ -50,12 +54,16 @@ class ArrivalFeeder:
     def running(self):
         old = sys.getswitchinterval()
         sys.setswitchinterval(FEEDER_SWITCH_INTERVAL_S)
+        gc.collect()
+        gc.freeze()
+        self.start = time.perf_counter()
         self._thread.start()
         try:
             yield self
         finally:
             self._stop.set()
             self._thread.join()
+            gc.unfreeze()
             sys.setswitchinterval(old)
 
     def take(self, block: bool) -> list[Sequence]:
