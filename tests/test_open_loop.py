@@ -149,7 +149,7 @@ def test_a_rate_sweep_runs_every_load_in_every_trial_and_the_gate_judges_latency
     assert point["goodput_rps"]["mean"] > 0 and point["slo_attainment"] == 1.0
     assert point["send_lag_s"]["p99"] >= 0
     assert len(point["vs_baseline"]["p99_ttft_ratio"]["trials"]) == 2
-    assert "stability" in serving["configs"]["baseline"]["10-40/s every 0.1s"]
+    assert serving["configs"]["baseline"]["10-40/s every 0.1s"]["stability"]["window_s"] == 0.1
     assert "send_lag_s" not in serving["configs"]["baseline"]["inf"]
 
     code, result = cli(tmp_path, run_dir, "--max-ttft-rise", "100", "--min-speedup", "0.01",

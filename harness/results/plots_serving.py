@@ -62,7 +62,7 @@ def stability(summary: dict, path: Path) -> Path | None:
     if not serving:
         return None
     series = [(name, label, p["stability"]) for name, points in serving["configs"].items()
-              for label, p in points.items() if p.get("stability")]
+              for label, p in points.items() if (p.get("stability") or {}).get("trials")]
     if not series:
         return None
     fig, ax = figure(8, 4)

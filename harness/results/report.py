@@ -328,11 +328,15 @@ def _serving_blocks(summary: dict) -> list:
                      "e2e P99 s", "goodput req/s (95% CI)", "met SLOs", "P99 TTFT vs baseline (95% CI)",
                      "send lag P99 ms"], rows)]
     stab = [[name, label, _f(p["stability"]["median_cv"], "{:.3f}"), _f(p["stability"]["worst_min_over_mean"]),
-             _f(p["stability"]["worst_max_over_mean"]), f"{p['stability']['window_s']:g}"]
+             _f(p["stability"]["worst_max_over_mean"]),
+             f"{p['stability'].get('windows', '?')} x {p['stability']['window_s']:g} s"]
             for name, points in serving["configs"].items() for label, p in points.items() if p.get("stability")]
     if stab:
         blocks.append(Table(["config", "fluctuating load", "CV of window tok/s (median over trials)",
-                             "lowest window / mean", "highest window / mean", "window s"], stab))
+                             "lowest window / mean", "highest window / mean", "windows"], stab))
+        notes = {p["stability"]["note"] for points in serving["configs"].values() for p in points.values()
+                 if (p.get("stability") or {}).get("note")}
+        blocks += [Para(note) for note in sorted(notes)]
     return blocks
 
 

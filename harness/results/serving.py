@@ -86,10 +86,18 @@ def window_throughput(samples: pd.DataFrame, window_s: float, until_s: float) ->
 
 
 def _stability(samples: pd.DataFrame, load: dict) -> dict | None:
+    """Throughput per window of a fluctuating load's period, per trial: its coefficient of variation
+    and extremes; none where the arrivals cover fewer than two whole windows."""
     fl = load.get("fluctuate")
     if not fl or not load.get("arrivals_s"):
         return None
     window = float(fl["period_s"])
+    whole = int(float(load["arrivals_s"][-1]) // window)
+    if whole < 2:
+        return {"window_s": window, "windows": whole, "median_cv": None, "worst_min_over_mean": None,
+                "worst_max_over_mean": None, "trials": [],
+                "note": f"the arrivals span {whole} whole window(s) of {window:g} s: too few to judge; "
+                        "give more requests (--limit) or a shorter period"}
     per_trial = []
     for _, trial in samples.groupby("trial"):
         tput = window_throughput(trial, window, float(load["arrivals_s"][-1]))
@@ -99,7 +107,7 @@ def _stability(samples: pd.DataFrame, load: dict) -> dict | None:
                           "min_over_mean": float(tput.min() / mean) if mean > 0 else None,
                           "max_over_mean": float(tput.max() / mean) if mean > 0 else None})
     cvs = [t["cv"] for t in per_trial if t["cv"] is not None]
-    return {"window_s": window, "median_cv": float(np.median(cvs)) if cvs else None,
+    return {"window_s": window, "windows": whole, "median_cv": float(np.median(cvs)) if cvs else None,
             "worst_min_over_mean": min((t["min_over_mean"] for t in per_trial if t["min_over_mean"] is not None), default=None),
             "worst_max_over_mean": max((t["max_over_mean"] for t in per_trial if t["max_over_mean"] is not None), default=None),
             "trials": per_trial}
