@@ -24,6 +24,8 @@ Client CPU per streamed chunk is reported with each part (time.process_time of t
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
 import math
 import os
@@ -93,8 +95,32 @@ def summary_ms(values) -> dict:
             "mean_ms": ms(float(np.mean(values)) if len(values) else None)}
 
 
+class CollectorPauses:
+    """The cyclic garbage collector's runs in this process (each one stops the event loop)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def take(self) -> dict:
+        p, self.pauses = self.pauses, []
+        return {"collections": len(p), "full": sum(g == 2 for g, _ in p),
+                "longest_ms": ms(max((d for _, d in p), default=0.0))}
+
+
+COLLECTOR = CollectorPauses()
+
+
 def run_client(url: str, served: str, requests: list[Req], concurrency: int, arrivals=None) -> tuple:
     engine = OpenAIEngine(url, ClientOptions(concurrency=concurrency, retries=3), served_model=served)
+    COLLECTOR.take()
     cpu = time.process_time()
     result = engine.generate(requests, arrivals=arrivals)
     return result, time.process_time() - cpu
@@ -134,6 +160,7 @@ def compare(result, server: dict, ttft: float, interval: float, completions=None
         "delivery_write_to_read": summary_ms(delivery),
         "send_to_server_receipt": summary_ms(to_server),
         "max_in_flight_at_server": server["max_in_flight"],
+        "garbage_collector": COLLECTOR.take(),
         "wall_s": round(result.wall_s, 3),
     }
     lags = [c.sent_s - c.scheduled_s for c in completions if c.scheduled_s is not None]
@@ -188,11 +215,17 @@ def main() -> None:
                    help="switches for `moebench serve` (space-separated)")
     p.add_argument("--hog", action="store_true", help="one busy-loop process beside it all")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--imports", default="",
+                   help="modules to import first (e.g. torch,transformers,moebench.measuring.run): the heap "
+                        "of a `moebench run` process, which a full garbage collection has to walk")
     a = p.parse_args()
+    for name in filter(None, a.imports.split(",")):
+        importlib.import_module(name)
 
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.hog else None
     out: dict = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                              "hog": a.hog, "load_average_at_start": os.getloadavg()},
+                 "imports": a.imports, "gc_tracked_objects": len(gc.get_objects()),
                  "argv": sys.argv[1:], "nominal": {"ttft_s": a.ttft, "token_interval_s": a.token_interval}}
     try:
         with Synthetic(a.ttft, a.token_interval) as server:
@@ -249,16 +282,25 @@ def main() -> None:
                 print(f"c highest rate with send lag P99 <= {a.lag_target * 1e3:g} ms (and at every lower rate): {best}",
                       flush=True)
             out["e_cpu"] = cpu_part(server, a)
+        save(out, a.out)  # what was measured stays measured, whatever part d does
         if a.serve:
-            out["d_serve"] = serve_part(a)
+            try:
+                out["d_serve"] = serve_part(a)
+            except Exception as e:  # noqa: BLE001 (a server that never came up is a result too)
+                out["d_serve"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"d serve: {out['d_serve']['error']}", flush=True)
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
-    out["machine"]["load_average_at_end"] = os.getloadavg()  # other work on a shared machine shows here
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    save(out, a.out)
     print(f"wrote {a.out}")
+
+
+def save(out: dict, path: str) -> None:
+    out["machine"]["load_average_at_end"] = os.getloadavg()  # other work on a shared machine shows here
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
 
 def cpu_part(server: Synthetic, a) -> dict:
@@ -281,7 +323,8 @@ def cpu_part(server: Synthetic, a) -> dict:
 def serve_part(a) -> dict:
     from moebench.serve.app import ServeProcess
 
-    with ServeProcess(a.serve_args.split()) as server:
+    # the first start after a kernel change compiles the CPU kernels: minutes on two busy cores
+    with ServeProcess(a.serve_args.split(), startup_timeout_s=900.0) as server:
         warm = [Req(f"warm-{i}", "1 + 1 =", a.serve_tokens) for i in range(8)]
         run_client(server.url, "bundled", warm, 8)
         n = max(2, int(a.serve_rate * a.serve_duration))
