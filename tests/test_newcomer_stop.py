@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from child_signals import interruptible
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 
@@ -62,12 +63,14 @@ def test_ctrl_c_before_the_first_trial_ends_keeps_a_resumable_folder(model, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if when == "first trial":
         proc = subprocess.Popen(_run(model, data, out, "--warmup", "0"), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+                                stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=interruptible)
         err = _interrupt_when(proc, lambda: _lines(run_dir / "samples.jsonl") >= 1)
         assert _lines(run_dir / "trials.jsonl") == 0  # stopped inside the first trial
     else:
         proc = subprocess.Popen(_run(model, data, out, "--warmup", "400"), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+                                stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=interruptible)
         err = _interrupt_when(proc, lambda: (run_dir / "manifest.json").exists())
         assert not (run_dir / "samples.jsonl").exists()
     line = next(line for line in err.splitlines() if line.startswith("interrupted"))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from child_signals import interruptible
 from moebench.cli.app import main
 from moebench.fileio import append_jsonl, drop_torn_tail, read_jsonl
 from moebench.errors import MoebenchError
@@ -251,7 +252,7 @@ def test_ctrl_c_reports_the_complete_trials_kept(model, tmp_path):
     cmd = [sys.executable, "-c", "from moebench.cli.app import main; main()",
            *run_args(model, data, out, "--run-id", "r", "--repeats", "40", "--max-new-tokens", "24")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=interruptible)
     trials = out / "r" / "trials.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
