@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+import moebench.backends.openai as openai_client
 from moebench.backends.openai import ClientOptions, OpenAIEngine
 from moebench.measuring.arrivals import Load
 
@@ -218,14 +219,18 @@ def main() -> None:
     p.add_argument("--imports", default="",
                    help="modules to import first (e.g. torch,transformers,moebench.measuring.run): the heap "
                         "of a `moebench run` process, which a full garbage collection has to walk")
+    p.add_argument("--spin-ms", type=float, default=None,
+                   help="how long before a send the client stops sleeping and yields (default: the client's own)")
     a = p.parse_args()
+    if a.spin_ms is not None:
+        openai_client.SPIN_S = a.spin_ms / 1e3
     for name in filter(None, a.imports.split(",")):
         importlib.import_module(name)
 
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.hog else None
     out: dict = {"machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                              "hog": a.hog, "load_average_at_start": os.getloadavg()},
-                 "imports": a.imports, "gc_tracked_objects": len(gc.get_objects()),
+                 "imports": a.imports, "spin_s": openai_client.SPIN_S, "gc_tracked_objects": len(gc.get_objects()),
                  "argv": sys.argv[1:], "nominal": {"ttft_s": a.ttft, "token_interval_s": a.token_interval}}
     try:
         with Synthetic(a.ttft, a.token_interval) as server:
