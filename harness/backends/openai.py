@@ -191,12 +191,13 @@ class OpenAIEngine:
                 else request_seed(o.seed, request.id)
         return body
 
-    async def _one(self, client, request, start: float, scheduled: float | None = None) -> HttpCompletion:
+    async def _one(self, client, request, start: float, scheduled: float | None = None,
+                   body: dict | None = None) -> HttpCompletion:
         import aiohttp
 
         o = self.options
         path = "/v1/chat/completions" if o.chat else "/v1/completions"
-        body = self._body(request)
+        body = self._body(request) if body is None else body
         error = None
         first_sent = None
         for attempt in range(1, o.retries + 2):
@@ -256,6 +257,9 @@ class OpenAIEngine:
 
         o = self.options
         open_loop = arrivals is not None
+        # open loop: the prompts are tokenized before the trial, not on the loop as each one falls
+        # due (a few-shot prompt takes over a millisecond, which its own send would wait for)
+        bodies = [self._body(r) for r in requests] if open_loop else None
         # open loop: no cap on connections either, or the pool would queue sends as the semaphore does
         connector = aiohttp.TCPConnector(limit=0 if open_loop else o.concurrency, force_close=False)
         timeout = aiohttp.ClientTimeout(total=o.request_timeout_s, sock_connect=10.0)
@@ -273,8 +277,8 @@ class OpenAIEngine:
                     completion = await self._one(client, request, start)
                 finished(completion)
 
-            async def arriving(request, offset):
-                finished(await self._one(client, request, start, offset))
+            async def arriving(request, offset, body):
+                finished(await self._one(client, request, start, offset, body))
 
             start = time.perf_counter()
             if not open_loop:
@@ -289,9 +293,9 @@ class OpenAIEngine:
                     # one dispatcher walks the schedule, so requests go out in its order even
                     # where offsets tie (the loop's timer heap does not keep ties in order)
                     tasks = []
-                    for request, offset in zip(requests, arrivals):
+                    for request, offset, body in zip(requests, arrivals, bodies):
                         await _wait_until(start + offset)
-                        tasks.append(asyncio.create_task(arriving(request, offset)))
+                        tasks.append(asyncio.create_task(arriving(request, offset, body)))
                     await asyncio.gather(*tasks)
                 finally:
                     if frozen:
