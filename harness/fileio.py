@@ -67,6 +67,38 @@ def append_jsonl(path: Path, record: dict) -> None:
         _append(path, data)
 
 
+class BackgroundAppender:
+    """append_jsonl on a thread of its own: for records made where a slow disk must not delay the
+    caller (the open loop's sends). `close` waits for every record and raises the first failure."""
+
+    def __init__(self, path: Path):
+        import queue
+        import threading
+
+        self.path = path
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._write, name="moebench-samples", daemon=True)
+        self._thread.start()
+
+    def append(self, record: dict) -> None:
+        self._queue.put(record)
+
+    def _write(self) -> None:
+        while (record := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    append_jsonl(self.path, record)
+                except BaseException as e:  # handed to close(), on the caller's thread
+                    self._error = e
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _append(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from moebench.errors import ActivationError
-from moebench.fileio import append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
+from moebench.fileio import BackgroundAppender, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl
 
 console = Console(stderr=True)
 
@@ -230,11 +230,16 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
                 task = progress.add_task(f"{cfg.name} #{trial}{where}", total=len(requests), rate="")
                 tokens = [0]
 
-                def on_complete(completion, cfg=cfg, trial=trial, task=task, at=at):
+                # open loop: the disk's pauses must not delay the next send (an fsync can take 20 ms)
+                writer = BackgroundAppender(samples_file) if arrivals is not None else None
+
+                def on_complete(completion, cfg=cfg, trial=trial, task=task, at=at, writer=writer):
                     record = {**sample_record(cfg.name, trial, items_by_id[completion.id], suite, completion), **at}
-                    if at:
+                    if writer is not None:
                         record.update(scheduled_s=completion.scheduled_s, sent_s=completion.sent_s)
-                    append_jsonl(samples_file, record)
+                        writer.append(record)
+                    else:
+                        append_jsonl(samples_file, record)
                     tokens[0] += record["output_tokens"]
                     rate = f"{tokens[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s"
                     progress.update(task, advance=1, rate=rate)
@@ -242,10 +247,13 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
 
                 with backend.session(cfg, f"t{trial}") as engine:
                     started = time.perf_counter()
-                    if arrivals is None:
+                    if writer is None:
                         result = engine.generate(requests, on_complete=on_complete)
                     else:
-                        result = engine.generate(requests, on_complete=on_complete, arrivals=arrivals)
+                        try:
+                            result = engine.generate(requests, on_complete=on_complete, arrivals=arrivals)
+                        finally:
+                            writer.close()  # every sample on disk before the trial's line marks it complete
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
                 prefill_tokens, prefill_s = result.phase_totals("num_tokens", ("prefill",))
