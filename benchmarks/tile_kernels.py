@@ -2,7 +2,7 @@
 fused MoE's experts with 4+ tokens: moe_cpu.cpp rows8_tokens) with the AVX2 kernel and with the
 AVX-512 one, side by side: interleaved rounds, each kernel in its own process (the choice is made
 once per process, MOEBENCH_AVX512=0 keeps AVX2), the order rotated each round. Both give the same
-sums bit for bit (tests/test_avx512_streams.py); this prints what the AVX-512 registers buy.
+sums bit for bit (tests/kernels/test_avx512_streams.py); this prints what the AVX-512 registers buy.
 
     flock /tmp/moebench-bench.lock python benchmarks/tile_kernels.py --dtype bf16 --tokens 1 4 5 8 16 --rounds 5
 

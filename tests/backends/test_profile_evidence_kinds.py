@@ -20,9 +20,9 @@ from moebench.backends.profiles import load_profiles
 from moebench.backends.recorded import load_observation
 from moebench.cli.profiles import check_profile
 from moebench.errors import MoebenchError
+from repo_paths import FIXTURES, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-LOGS = REPO / "tests" / "fixtures" / "engine_logs"
+LOGS = FIXTURES / "engine_logs"
 VLLM = REPO / "profiles" / "vllm-qwen3-moe-gpu.toml"
 SGLANG = REPO / "profiles" / "sglang-ling3-dgx-spark.toml"
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-LOGS = Path(__file__).resolve().parent / "fixtures" / "engine_logs"
+from repo_paths import FIXTURES
+
+LOGS = FIXTURES / "engine_logs"
 RECONSTRUCTED = sorted(p.parent for p in LOGS.glob("*/formats.toml"))
 _PERCENT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*\d*(?:\.\d+)?([sdfrxi%])")
 

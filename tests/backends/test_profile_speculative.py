@@ -14,9 +14,9 @@ from moebench.backends.evidence import evaluate
 from moebench.backends.profiles import load_profiles
 from moebench.backends.recorded import load_observation
 from moebench.cli.profiles import check_profile
+from repo_paths import FIXTURES, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-LOGS = REPO / "tests" / "fixtures" / "engine_logs"
+LOGS = FIXTURES / "engine_logs"
 VLLM = REPO / "profiles" / "vllm-speculative-gpu.toml"
 SGLANG = REPO / "profiles" / "sglang-ling3-dgx-spark.toml"
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 ITEMS = 6
 MAX_NEW = 48
 

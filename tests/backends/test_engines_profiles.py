@@ -16,8 +16,8 @@ from moebench.backends.openai import request_seed, union_seconds
 from moebench.backends.profiles import load_profiles
 from moebench.backends.server import Placeholders, ServerProcess, json_field, prometheus_value
 from moebench.errors import MoebenchError
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 # A real HTTP server (the standard library's) stands in for a serving engine where only the
 # process handling is under test: it logs each request, answers /health from a file, and serves

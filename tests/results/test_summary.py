@@ -66,7 +66,7 @@ def test_speedup_and_accuracy(summary):
     assert va["mcnemar_p"] == pytest.approx(0.5)
     assert va["accuracy_delta"] == pytest.approx(-5.0)
     # Tango's score interval of 0 gained and 2 lost of 40 (its bounds solved independently in
-    # tests/test_verdict.py); the old percentile bootstrap gave [-12.5, 0]: no room for a gain
+    # tests/results/test_verdict.py); the old percentile bootstrap gave [-12.5, 0]: no room for a gain
     lo, hi = va["accuracy_delta_ci95"]
     assert (lo, hi) == (pytest.approx(-16.504, abs=1e-3), pytest.approx(4.200, abs=1e-3))
     # Three greedy trials repeat the same answers: clustered by item, they count as one

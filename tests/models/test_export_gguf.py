@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from moebench.errors import MoebenchError
 from moebench.models.export_gguf import _gpt2_byte_alphabet, export_gguf
 from moebench.measuring.run import bundled_model_path
-from tests.tiny_models import make_tiny_checkpoint, write_char_tokenizer
+from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 BUNDLED = bundled_model_path()
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from moebench.measuring.run import bundled_model_path
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 PROFILE_FILE = REPO / "profiles" / "llamacpp-cpu.toml"
 NEW_TOKENS = 128  # the bundled model's answers to these items end with EOS well before this
 
@@ -158,7 +158,7 @@ def test_random_mixtral_greedy_equals_in_process(llama_server, tmp_path):
     can nearly tie, so float reordering could split a long path; 12 tokens per prompt are compared."""
     from moebench.backends.profiles import Profile
     from moebench.models.export_gguf import export_gguf
-    from tests.tiny_models import make_tiny_checkpoint, write_char_tokenizer
+    from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
     ckpt = write_char_tokenizer(make_tiny_checkpoint(tmp_path / "mx", "mixtral_e5_k2"), 211)
     gguf = export_gguf(ckpt, tmp_path / "mx.gguf")

@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 PROFILE_FILE = REPO / "profiles" / "llamacpp-speculative-cpu.toml"
 
 

@@ -6,16 +6,14 @@ prompt ever joins, so the configuration's evidence refuses that server."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from moebench.backends.evidence import evaluate
 from moebench.backends.log_readers import llamacpp_prompts_joining_decoding
 from moebench.backends.profiles import load_profiles
 from moebench.backends.recorded import load_observation, read_log
 from moebench.cli.profiles import check_profile
+from repo_paths import FIXTURES, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-LOGS = REPO / "tests" / "fixtures" / "engine_logs" / "llamacpp-0.3.36"
+LOGS = FIXTURES / "engine_logs" / "llamacpp-0.3.36"
 PROFILE = REPO / "profiles" / "llamacpp-cpu.toml"
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from repo_paths import REPO
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
 
@@ -26,7 +28,7 @@ def test_triton_kernels_interpreted():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        env=env, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=900,
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, f"interpreted Triton tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 

@@ -16,8 +16,9 @@ import pytest
 from moebench.backends import llamacpp
 from moebench.backends.batched_bench import batched_bench_argv, parse_batched_bench_table, run_batched_bench
 from moebench.errors import MoebenchError
+from repo_paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "llama_batched_bench_output.txt"
+FIXTURE = FIXTURES / "llama_batched_bench_output.txt"
 
 
 def _within_rounding(rate: float, tokens: int, seconds: float) -> bool:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from benchmark_scripts import load_benchmark
+from repo_paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 @pytest.fixture(scope="module")

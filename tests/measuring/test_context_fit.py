@@ -4,9 +4,9 @@ the run used to feed it anyway, score the garbage as wrong answers and exit 0.""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 BUNDLED = REPO / "harness" / "bundled" / "gsm-synth-moe"
 
 

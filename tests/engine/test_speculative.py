@@ -28,8 +28,6 @@ def suite():
     return load_suite("gsm-synth", limit=N_ITEMS)
 
 
-
-
 def _requests(suite, sampling):
     return [Request(item.id, suite.prompt(item), MAX_NEW, tuple(suite.stop),
                     sampling if sampling.greedy else replace(sampling, seed=request_seed(0, 0, item.id)))
@@ -162,10 +160,6 @@ def test_bad_settings_are_refused():
 
 
 def test_a_model_with_recurrent_state_is_refused(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from tiny_bailing import make_tiny_bailing
 
     from moebench.engine import load_checkpoint

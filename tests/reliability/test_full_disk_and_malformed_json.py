@@ -3,14 +3,13 @@ a malformed JSON line says where in the line."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from moebench.errors import MoebenchError
 from moebench.fileio import read_jsonl
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 # Runs `args` as `moebench` under a file-size limit: writes past it fail as on a full disk (EFBIG).
 LIMITED = """
@@ -42,7 +41,6 @@ def test_an_atomic_write_that_fails_names_its_file(tmp_path):
 
 
 def test_report_on_a_full_disk_leaves_no_empty_plot(tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
     from fixtures.make_run import make_run
 
     run_dir = make_run(tmp_path / "run", configs=("baseline", "kernel"))

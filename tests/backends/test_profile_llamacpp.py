@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 PROFILE_FILE = REPO / "profiles" / "llamacpp-cpu.toml"
 
 
@@ -48,7 +49,6 @@ def test_evidence_the_baseline_server_also_shows_is_refused(llama_server, tmp_pa
                                "'load_model: initializing, n_slots = 1, ' also holds for the baseline 'baseline'")
     # refused at warm-up, before any trial: nothing measured is kept
     assert not (tmp_path / "r").exists()
-
 
 
 def test_continuous_batching_switched_off_is_refused_under_the_runs_load(llama_server, tmp_path):

@@ -20,9 +20,9 @@ from moebench.backends.profiles import load_profiles
 from moebench.backends.recorded import load_observation
 from moebench.errors import MoebenchError
 from moebench.cli.profiles import check_profile
+from repo_paths import FIXTURES, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-LOGS = REPO / "tests" / "fixtures" / "engine_logs"
+LOGS = FIXTURES / "engine_logs"
 SGLANG = LOGS / "sglang-0.5.23"
 VLLM = LOGS / "vllm-0.34.0"
 

@@ -4,9 +4,8 @@ hold the message back as captured output."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
 
 
 def test_the_llama_cpp_build_is_announced_on_the_terminal(tmp_path):
@@ -17,7 +16,7 @@ def test_the_llama_cpp_build_is_announced_on_the_terminal(tmp_path):
         env.pop(name, None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_llamacpp.py::test_random_mixtral_greedy_equals_in_process"],
+         "tests/backends/test_llamacpp.py::test_random_mixtral_greedy_equals_in_process"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     shown = result.stdout + result.stderr
     assert result.returncode == 0, shown[-3000:]  # skipped where it cannot be built

@@ -7,7 +7,6 @@ and preemption; a checkpoint without MTP layers is a one-line error; a run that 
 activation error."""
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,9 +20,7 @@ from moebench.engine.mtp import MtpHead, load_mtp, mtp_layer_count
 from moebench.engine.sampling import GREEDY, SamplingParams, request_seed
 from moebench.errors import MoebenchError
 from moebench.suites import load_suite
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from tiny_models import make_tiny_checkpoint
 
 N_ITEMS = 8
 MAX_NEW = 48
@@ -177,8 +174,6 @@ def test_a_routed_head_drafts_on_a_tiny_model_and_changes_no_output(tmp_path, sc
 @pytest.fixture(scope="module")
 def suite():
     return load_suite("gsm-synth", limit=N_ITEMS)
-
-
 
 
 def _generate(checkpoints, tokenizer, suite, sampling=GREEDY, max_new=MAX_NEW, **runtime):

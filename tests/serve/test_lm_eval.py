@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from repo_paths import REPO
+
 lm_eval = pytest.importorskip("lm_eval")
 
 from moebench.measuring.lm_eval_model import render_tasks  # noqa: E402
@@ -48,9 +50,7 @@ def task_dir(tmp_path_factory, gsm8k_dir_module):
 
 @pytest.fixture(scope="module")
 def gsm8k_dir_module():
-    from pathlib import Path
-
-    path = (Path(__file__).resolve().parent.parent / ".." / "shared" / "data" / "gsm8k").resolve()
+    path = (REPO / ".." / "shared" / "data" / "gsm8k").resolve()
     if not (path / "test.jsonl").is_file():
         pytest.skip(f"offline GSM8K data not found at {path}")
     return path

@@ -13,6 +13,7 @@ from fixtures.make_run import make_run
 from moebench.errors import MoebenchError
 from moebench.cli.gate import gate_command
 from moebench.results.summary import build_summary
+from repo_paths import REPO
 
 
 def _app() -> typer.Typer:
@@ -178,7 +179,7 @@ def test_the_repository_policies_restate_no_default(tmp_path):
 
     from moebench.results.policy import Policy, load_policy
 
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     assert load_policy(root / "gate.toml") == Policy()
     for key, value in re.findall(r"^# (\w+) = (.+?)\s+#", (root / "gate.toml").read_text(), re.M):
         v = tomllib.loads(f"v = {value}")["v"]

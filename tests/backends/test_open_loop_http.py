@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from moebench.backends.openai import ClientOptions, OpenAIEngine
 from moebench.engine.sequence import Request
+from repo_paths import FIXTURES
 
-SERVER = Path(__file__).resolve().parent / "fixtures" / "synthetic_server.py"
+SERVER = FIXTURES / "synthetic_server.py"
 TTFT, INTERVAL = 0.05, 0.005
 
 

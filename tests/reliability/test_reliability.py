@@ -18,8 +18,7 @@ from moebench.cli.app import main
 from moebench.fileio import append_jsonl, drop_torn_tail, read_jsonl
 from moebench.errors import MoebenchError
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
 
 
 @pytest.fixture(scope="module")
