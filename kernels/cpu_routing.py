@@ -4,7 +4,7 @@ The top-k of a softmax router is a handful of small torch ops (softmax, a stable
 division); the extension's `route_topk` does the top-k and the renormalization in one call after
 torch's own softmax, and is bit-identical to `reference.route_softmax_topk` (its renormalization
 sums in the order torch's sum takes for the shape, or leaves the division to torch where no order
-reproduces it; tests/test_step_ops.py). Where the extension is not built, `load_extension` has
+reproduces it; tests/kernels/test_step_ops.py). Where the extension is not built, `load_extension` has
 already warned, and the reference runs.
 """
 

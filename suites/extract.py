@@ -2,7 +2,7 @@
 
 The verdicts must equal lm-eval's gsm8k / gsm8k_cot tasks (lm-eval 0.4.x), so accuracy
 from moebench and from lm-eval can be compared item by item. The patterns below are the
-ones in lm-eval's task YAML files; tests/test_extract_vs_lmeval.py runs lm-eval's own
+ones in lm-eval's task YAML files; tests/suites/test_extract_vs_lmeval.py runs lm-eval's own
 filters and metric on a few hundred outputs and checks that every verdict agrees.
 """
 

@@ -5,7 +5,7 @@ and evidence) whose per-layer bookkeeping (residency table, LRU order, free rows
 borrowing, predictions, loads in flight, counters) lives in the native loader's module, so that a
 fetch whose experts are all resident is one C++ call, and a miss is described and loaded from C++.
 `PooledStore` stays the reference: tests run the same calls through both and compare rows,
-counters and weights (tests/test_native_store.py).
+counters and weights (tests/store/test_native_store.py).
 
 Where it runs: on CPU, when the native loader builds and the tier can describe its loads as plain
 integers (`ExpertTier.describe`). The expert_store override (engine/overrides.py) picks it: auto (default; the Python store, with a warning, where the native one cannot run),

@@ -4,7 +4,7 @@ which calls the layer that does the work.
 `moebench --help`, every subcommand's `--help` and every usage error must answer at once, even
 on a loaded machine, so a command module imports nothing heavy (torch, transformers, pandas,
 matplotlib) at its top: those imports go inside the functions that need them.
-tests/test_cli_help.py holds every registered command to that.
+tests/architecture/test_cli_help.py holds every registered command to that.
 """
 
 import os

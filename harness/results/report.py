@@ -521,7 +521,7 @@ def render_markdown(doc: Doc) -> str:
     return "\n".join(out)
 
 
-# Every table fits the page at 1400 px and at 800 px (tests/test_report_layout.py checks it in
+# Every table fits the page at 1400 px and at 800 px (tests/results/test_report_layout.py checks it in
 # Chromium); the scrolling wrapper only keeps the page itself from overflowing on a narrower one.
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 .table{overflow-x:auto;max-width:100%}

@@ -4,7 +4,7 @@ Throughput and speedup intervals come from trials, the unit that is repeated und
 changing load: a Student t interval on the logs of the per-trial values (for a speedup, of the
 per-trial paired ratios config / baseline), which has its nominal coverage for any number of
 trials from 2 when the logs are roughly normal (docs/statistics.md; checked by simulation in
-tests/test_stats.py). The paired accuracy difference and its interval: moebench.results.paired_accuracy.
+tests/results/test_stats.py). The paired accuracy difference and its interval: moebench.results.paired_accuracy.
 """
 
 from __future__ import annotations
