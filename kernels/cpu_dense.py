@@ -84,6 +84,11 @@ def torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
         from .reference import rows_linear_reference
 
         name = "int8" if weight.dtype == torch.int8 else "int4"
+        if name == "int4":
+            from .int4_torch import warn_float_activations
+
+            warn_float_activations("a dense projection" + ("" if rows_stream(x) else " of prefill rows"),
+                                   loaded_extension())
         if name == "int4" and rows_stream(x):  # a decode step's rows that no C++ int4 kernel streamed
             from .int4_torch import warn_slow_path
 

@@ -144,9 +144,10 @@ def fused_moe_cpu_torch(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: 
 
         w13, w2 = ((v.to(x.dtype) * s[..., None].to(x.dtype)) for v, s in map(unpack_int8_rows, (w13, w2)))
     elif w13.dtype == torch.uint8:  # int4 rows (docs/int4.md): no C++ kernel took them, the slow path
-        from .int4_torch import dequantized, warn_slow_path
+        from .int4_torch import dequantized, warn_float_activations, warn_slow_path
 
         warn_slow_path("the fused MoE op")
+        warn_float_activations("the fused MoE op in torch", loaded_extension())
         w13, w2 = dequantized(w13, x.dtype), dequantized(w2, x.dtype)
     n, k = topk_ids.shape
     e, two_i, h_dim = w13.shape

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from .reference import dequantize_int4_rows
 
-__all__ = ["dequantized", "warn_slow_path"]
+__all__ = ["dequantized", "warn_slow_path", "warn_float_activations"]
 
-_warned: set[str] = set()
+_warned: set = set()
 
 
 def dequantized(w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -35,3 +35,15 @@ def warn_slow_path(op: str) -> None:
     warnings.warn(f"moebench: SLOW PATH: {op} runs int4 weights in torch, dequantizing them to float32 on every "
                   "call (no C++ int4 kernel streams them here); speeds measured this way are not int4's",
                   RuntimeWarning, stacklevel=3)
+
+
+def warn_float_activations(op: str, ext) -> None:
+    """Say once per process and op that `op` ran int4 weights in torch with float32 activations while
+    the activations override asks for q8 (kernels/csrc/q8_cpu.h; `ext`: the loaded extension, which
+    holds that setting, or None): only the C++ dense and fused MoE kernels quantize activations, so
+    here the switch does not act (prefill rows of the dense projections, the slow path)."""
+    if ext is None or not hasattr(ext, "activations") or ext.activations() != "q8" or ("q8", op) in _warned:
+        return
+    _warned.add(("q8", op))
+    warnings.warn(f"moebench: q8 ACTIVATIONS NOT APPLIED: {op} runs int4 weights in torch with float32 activations "
+                  "(only the C++ dense and fused MoE kernels quantize them; docs/int4.md)", RuntimeWarning, stacklevel=3)

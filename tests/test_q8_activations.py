@@ -4,6 +4,8 @@ q4_q8_linear_reference) bit for bit at odd shapes, 1-3 tokens streamed and more 
 left over; the fused MoE kernel agrees with moe_q8_reference to the bound its SiLU allows; the quantizer
 is ggml's rule; the switch is off unless set, counted where it ran, refused where it cannot run."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -87,7 +89,9 @@ def test_fused_moe_kernel_agrees_with_its_reference(q8, tokens, top_k):
     assert (got == want).float().mean() >= 0.99
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     # the approximation against the weight-only kernel
-    exact = moe_reference(x, weights, ids, w13, w2)
+    with warnings.catch_warnings():  # the weight-only reference: it says that q8 does not apply in it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        exact = moe_reference(x, weights, ids, w13, w2)
     assert torch.allclose(got, exact, rtol=0.1, atol=0.05 * exact.abs().max())
     # a pool's slots (a view of a larger buffer), as an expert store hands them in
     pool13, pool2 = torch.cat([w13, w13]), torch.cat([w2, w2])
@@ -158,3 +162,23 @@ def test_engine_runs_q8_on_every_decode_path_and_counts_it(tmp_path):
         assert _find(plain.evidence, "streamed_dots")["q8_weight_rows"] == 0  # off unless asked for
     finally:
         ext.set_activations("f32")
+
+
+@needs_q8
+def test_int4_in_torch_says_that_q8_did_not_apply(q8):
+    from moebench.kernels import cpu_dense, int4_torch
+
+    int4_torch._warned.clear()
+    w = pack_int4_rows(_matrix(8, 64, seed=5))
+    with pytest.warns(RuntimeWarning, match="q8 ACTIVATIONS NOT APPLIED"):
+        cpu_dense.torch_linear(torch.randn(40, 64), w)  # prefill rows: torch, float32 activations
+    with pytest.warns(RuntimeWarning, match="the fused MoE op in torch"):
+        from moebench.kernels.cpu_moe import fused_moe_cpu_torch
+
+        fused_moe_cpu_torch(torch.randn(2, 64), torch.rand(2, 1), torch.tensor([[0], [1]]),
+                            pack_int4_rows(_matrix(2, 64, 64, seed=6)), pack_int4_rows(_matrix(2, 64, 32, seed=7)))
+    ext.set_activations("f32")
+    int4_torch._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_dense.torch_linear(torch.randn(40, 64), w)  # f32 activations asked for: nothing to say
