@@ -182,3 +182,11 @@ def test_int4_in_torch_says_that_q8_did_not_apply(q8):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cpu_dense.torch_linear(torch.randn(40, 64), w)  # f32 activations asked for: nothing to say
+
+
+def test_a_failed_rounds_nan_does_not_make_the_cells_median_nan():
+    # the q8 two-thread batch-1 cell of docs/int4.md: one round's decode rate by subtraction was nan
+    from moebench.measuring.bench_engine import _median
+
+    assert _median([230.5, float("nan"), 200.0]) == 215.25
+    assert _median([float("nan")]) != _median([float("nan")])  # nothing measured: nan

@@ -347,8 +347,8 @@ def round_interval(values: list[float]) -> dict:
     return {"geomean": centre, "ci95": [low, high]}
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+def _median(values: list[float]) -> float:  # of the rounds that measured (a failed subtraction is nan)
+    return statistics.median(finite) if (finite := [v for v in values if math.isfinite(v)]) else float("nan")
 
 
 def _or_lowest(value: float) -> float:
