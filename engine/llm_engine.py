@@ -502,4 +502,8 @@ class EngineSession:
 
             errors += weights_errors(evidence.get("weights"), evidence["prefetch"].get("expert_dtype"),
                                      rt.overrides.allow_fallback)
+        if rt.overrides.activations != "f32":
+            from moebench.engine.weight_evidence import activations_errors
+
+            errors += activations_errors(rt.overrides.activations, evidence.get("decode_path"))
         return errors

@@ -89,3 +89,15 @@ def weights_errors(evidence: dict | None, experts_dtype: str | None = None, allo
     elif not dense and not in_torch:
         errors.append(f"--weights {precision}: no projection ran with {want} weights")
     return errors
+
+
+def activations_errors(activations: str, runner_evidence: dict | None) -> list[str]:
+    """q8 activations asked for (an approximation): the kernels must have quantized some activation
+    rows, counted where they ran (the runner's streamed_dots), or the switch did nothing."""
+    if activations == "f32":
+        return []
+    dots = (runner_evidence or {}).get("streamed_dots") or {}
+    if dots.get("q8_activation_rows"):
+        return []
+    return [f"activations {activations}: no activation row was quantized in the kernels (streamed_dots: {dots}); "
+            "q8 applies to int4 weights in the C++ dense and fused MoE kernels (--weights int4, --kernel fused)"]

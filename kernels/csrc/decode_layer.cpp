@@ -5,7 +5,7 @@
 // the MoE block's store, prefetcher and statistics hooks) with caches the weight stream has just
 // flushed: that time is spent with no weight moving. The chains below run the very same kernels in
 // the same order with the same arguments as the calls they replace (so their results are
-// bit-identical, tests/test_step_ops.py::test_decode_chains_are_the_ops_one_by_one), only without
+// bit-identical, tests/kernels/test_step_ops.py::test_decode_chains_are_the_ops_one_by_one), only without
 // returning to Python in between. The longest, DecodeLayers, is all of a step's layers.
 
 #include "ops.h"

@@ -7,7 +7,7 @@
 // times a float16) and then do exactly what they do with float32 weights: the same accumulators, the
 // same FMAs in the same order. So an int4 kernel's result equals the float32 kernel's on the
 // dequantized weights (bit for bit but for the sign of an exact zero: q4_half8), and the AVX-512
-// twin's is the AVX2 kernel's bit for bit (tests/test_int4_kernels.py).
+// twin's is the AVX2 kernel's bit for bit (tests/kernels/test_int4_kernels.py).
 // Scaling each block's partial sum instead (one multiply per block rather than per 8 values) would
 // save 4 multiplies per 32 weights and lose both of those identities.
 //

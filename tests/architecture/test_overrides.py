@@ -13,7 +13,7 @@ import torch
 from moebench.engine.overrides import CHOICES, VARIABLES, Overrides
 from moebench.errors import MoebenchError
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO as ROOT
 # where a build goes and how long to wait for another process's build: not how any op runs
 BUILD_PLACES = {"kernels/build.py"}
 # the variables that are no override: which files and binaries to use

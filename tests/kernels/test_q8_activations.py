@@ -139,11 +139,7 @@ def test_the_override_reaches_the_kernel_and_is_refused_where_none_runs():
 
 @needs_q8
 def test_engine_runs_q8_on_every_decode_path_and_counts_it(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_int4_weights import _generate, _tiny
+    from test_int4_weights import _generate, _tiny  # beside this file
 
     from moebench.measuring.bench_engine_q8 import find as _find
 
@@ -160,6 +156,21 @@ def test_engine_runs_q8_on_every_decode_path_and_counts_it(tmp_path):
         assert outputs["chained"] == outputs["native"]
         plain = _generate(ckpt, kernel="fused", decode_path="native", weights="int4")
         assert _find(plain.evidence, "streamed_dots")["q8_weight_rows"] == 0  # off unless asked for
+    finally:
+        ext.set_activations("f32")
+
+
+@needs_q8
+def test_q8_asked_for_where_no_kernel_quantizes_fails_the_activation_check(tmp_path):
+    from test_int4_weights import _generate, _tiny  # beside this file
+
+    _, ckpt = _tiny(tmp_path)
+    try:  # float32 weights: no int4 row for q8 to meet, so the switch would do nothing
+        result = _generate(ckpt, kernel="fused", decode_path="chained", overrides=Overrides(activations="q8"))
+        assert any("activations q8: no activation row was quantized" in e for e in result.activation_errors), \
+            result.activation_errors
+        plain = _generate(ckpt, kernel="fused", decode_path="chained")
+        assert not plain.activation_errors
     finally:
         ext.set_activations("f32")
 
