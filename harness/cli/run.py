@@ -50,7 +50,7 @@ def run_command(
     served_model: Optional[str] = typer.Option(None, "--served-model", help="The request's model name (default: the profile's, else the server's first /v1/models id).", rich_help_panel="Serving engines"),
     tokenizer_dir: Optional[Path] = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json: prompts go as token ids, so the server's tokenizer cannot change them (default: the profile's).", rich_help_panel="Serving engines"),
     chat: bool = typer.Option(False, "--chat", help="Send /v1/chat/completions (one user message) instead of /v1/completions.", rich_help_panel="Serving engines"),
-    concurrency: int = typer.Option(16, "--concurrency", help="Requests in flight at once.", rich_help_panel="Serving engines"),
+    concurrency: int = typer.Option(16, "--concurrency", help="Requests in flight at once, in the closed loop (with --request-rate each request is sent at its time, whatever is in flight).", rich_help_panel="Serving engines"),
     temperature: float = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
