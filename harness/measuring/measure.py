@@ -72,13 +72,15 @@ def _write_steps(run_dir: Path, steps: list[dict]) -> None:
 
 
 def _load_steps(run_dir: Path, done: set[tuple]) -> list[dict]:
+    from moebench.measuring.samples import trial_key
+
     f = run_dir / "steps.parquet"
     if not f.exists():
         return []
     import pandas as pd
 
     rows = pd.read_parquet(f).to_dict("records")
-    return [r for r in rows if (r["config"], int(r["trial"]), r.get("load")) in done]
+    return [r for r in rows if trial_key(r) in done]
 
 
 class CheckpointVariants:
@@ -171,7 +173,7 @@ class ServerDied(Exception):
 def _run_loads(manifest: dict, args) -> list:
     """The loads each trial runs, as the manifest recorded them (a resumed run keeps its own): [None]
     for the closed loop of a run without loads."""
-    loads = args.loads() if args is not None and hasattr(args, "loads") else None
+    loads = args.loads()
     if not loads:
         return [None]
     recorded = [ld["label"] for ld in manifest.get("loads") or []]
@@ -247,12 +249,10 @@ def measure(run_dir: Path, manifest: dict, configs, ckpt, tokenizer, suite, base
 
                 with backend.session(cfg, f"t{trial}") as engine:
                     started = time.perf_counter()
-                    if writer is None:
-                        result = engine.generate(requests, on_complete=on_complete)
-                    else:
-                        try:
-                            result = engine.generate(requests, on_complete=on_complete, arrivals=arrivals)
-                        finally:
+                    try:
+                        result = engine.generate(requests, on_complete=on_complete, arrivals=arrivals)
+                    finally:
+                        if writer is not None:
                             writer.close()  # every sample on disk before the trial's line marks it complete
                 progress.remove_task(task)
                 decode_tokens, decode_s = result.phase_totals("decode_tokens", ("decode", "mixed"))
@@ -365,7 +365,7 @@ def serving_table(serving: dict) -> Table:
                 "e2e p99 (s)", "goodput req/s (95% CI)", "met SLO", "send lag p99 (ms)"):
         table.add_column(col)
 
-    def ms(v):
+    def seconds(v):
         return "-" if v is None else f"{v:.3f}"
     for name, points in serving["configs"].items():
         for label, p in points.items():
@@ -373,10 +373,11 @@ def serving_table(serving: dict) -> Table:
             ci = good.get("ci95")
             lag = (p.get("send_lag_s") or {}).get("p99")
             table.add_row(
-                name, label, ms(p["achieved_rps"]["median"]), f"{p['output_tok_s']['median'] or 0:.1f}",
-                f"{ms(p['ttft_s']['p50'])} / {ms(p['ttft_s']['p99'])}", f"{ms(p['tpot_s']['p50'])} / {ms(p['tpot_s']['p99'])}",
-                ms(p["latency_s"]["p99"]),
-                "-" if good.get("mean") is None else f"{good['mean']:.2f}" + (f" ({max(ci[0], 0):.2f}-{ci[1]:.2f})" if ci else ""),
+                name, label, f"{p['achieved_rps']['median'] or 0:.3f}", f"{p['output_tok_s']['median'] or 0:.1f}",
+                f"{seconds(p['ttft_s']['p50'])} / {seconds(p['ttft_s']['p99'])}",
+                f"{seconds(p['tpot_s']['p50'])} / {seconds(p['tpot_s']['p99'])}",
+                seconds(p["latency_s"]["p99"]),
+                "-" if good.get("mean") is None else f"{good['mean']:.2f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""),
                 "-" if p.get("slo_attainment") is None else f"{100 * p['slo_attainment']:.0f}%",
                 "-" if lag is None else f"{1e3 * lag:.1f}")
     return table

@@ -6,7 +6,7 @@ from __future__ import annotations
 def trial_key(record: dict) -> tuple:
     """What one trial is, in samples.jsonl and trials.jsonl: a config's trial number at one offered
     load (None: the closed loop of a run without loads)."""
-    return record["config"], record["trial"], record.get("load")
+    return record["config"], int(record["trial"]), record.get("load")
 
 
 def sample_record(cfg_name, trial, item, suite, completion) -> dict:

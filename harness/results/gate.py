@@ -87,14 +87,20 @@ def _speedup_of(entry: dict, metric: str) -> dict:
     return (entry.get("vs_baseline") or {}).get(SPEEDUP_KEYS[metric]) or {}
 
 
+def _ratio_measured(block: dict) -> str:
+    """A ratio's median, 95% CI and trials, as a rule's `measured` says them."""
+    ci = block.get("ci95")
+    if not ci:
+        return "n/a (no interval: fewer than 2 trials)"
+    return f"{block['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {len(block.get('trials') or [])} trials"
+
+
 def _speedup_rule(summary: dict, name: str, policy: Policy) -> Rule:
     from moebench.results.summary import config_entry
 
     sp = _speedup_of(config_entry(summary, name), policy.metric)
     ci = sp.get("ci95")
-    n = len(sp.get("trials") or [])
-    measured = "n/a (no interval: fewer than 2 trials)" if not ci else \
-        f"{sp['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {n} trials"
+    measured = _ratio_measured(sp)
     passed = bool(ci) and ci[0] >= policy.min_speedup
     # Only an interval wholly below the threshold shows that the speedup falls short of it.
     unsure = not passed and (not ci or ci[1] >= policy.min_speedup)
@@ -225,16 +231,15 @@ def _latency_rules(summary: dict, name: str, max_increase: float) -> list[Rule]:
     if not serving:
         return [Rule(title, "n/a (a closed-loop run: no offered loads)", threshold, False, True,
                      "inconclusive: run with --request-rate (docs/serving-load.md) for the latency rule to judge")]
+    points = serving["configs"].get(name) or {}
     rules = []
-    for label, point in (serving["configs"].get(name) or {}).items():
-        ratio = (point.get("vs_baseline") or {}).get("p99_ttft_ratio") or {}
+    # every load of the run, also one the gated config has no samples at: a missing load is never a pass
+    for label in (ld["label"] for ld in serving["loads"]):
+        ratio = ((points.get(label) or {}).get("vs_baseline") or {}).get("p99_ttft_ratio") or {}
         ci = ratio.get("ci95")
-        n = len(ratio.get("trials") or [])
-        measured = "n/a (no interval: fewer than 2 trials)" if not ci else \
-            f"{ratio['median']:.3f}x [{ci[0]:.3f}, {ci[1]:.3f}], {n} trials"
         passed = bool(ci) and ci[1] <= limit
         unsure = not passed and (not ci or ci[0] <= limit)
-        rules.append(Rule(f"{title} @ {label}", measured, threshold, passed, unsure,
+        rules.append(Rule(f"{title} @ {label}", _ratio_measured(ratio), threshold, passed, unsure,
                           (_spans(ci) if ci else NO_INTERVAL) if unsure else ""))
     return rules
 

@@ -151,6 +151,14 @@ def load_run(run_dir: Path) -> RunData:
     return RunData(run_dir, manifest, mine, primary(trials), primary(steps), by_load)
 
 
+def is_error(df: pd.DataFrame) -> pd.Series:
+    """Which samples are failed requests (HTTP engines): an error text, or the finish reason "error"."""
+    err = df["error"].notna()
+    if "finish_reason" in df:
+        err |= df["finish_reason"] == "error"
+    return err
+
+
 def per_item(samples: pd.DataFrame, name: str) -> pd.DataFrame:
     """One sample per item for a config: trial 0's (the lowest trial that has the item).
 

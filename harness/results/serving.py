@@ -15,22 +15,19 @@ import numpy as np
 import pandas as pd
 
 from moebench.results import stats
-from moebench.results.run_data import RunData
+from moebench.results.run_data import RunData, is_error
 
 LATENCY_COLUMNS = ("ttft_s", "tpot_s", "latency_s")
 QUANTILES = (50, 90, 99)
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    err = df["error"].notna() if "error" in df else pd.Series(False, index=df.index)
-    if "finish_reason" in df:
-        err |= df["finish_reason"] == "error"
-    return df[~err]
+    return df[~is_error(df)]
 
 
 def met_slos(df: pd.DataFrame, slo: dict[str, float]) -> pd.Series:
     """Which requests met every SLO: a failed request meets none; a one-token request has no TPOT to miss."""
-    met = df["error"].isna() if "error" in df else pd.Series(True, index=df.index)
+    met = ~is_error(df)
     for column, limit in slo.items():
         values = pd.to_numeric(df[column], errors="coerce") if column in df else pd.Series(np.nan, index=df.index)
         within = values <= limit
@@ -53,12 +50,6 @@ def _mean_interval(values: list[float]) -> dict:
     half = student_t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
     return {"mean": float(x.mean()), "ci95": [max(float(x.mean() - half), 0.0), float(x.mean() + half)],
             "trials": x.tolist()}
-
-
-def _geo_interval(values: list[float]) -> dict:
-    centre, (lo, hi) = stats.trial_interval(values)
-    return {"median": None if math.isnan(centre) else centre,
-            "ci95": None if math.isnan(lo) else [lo, hi], "trials": [float(v) for v in values]}
 
 
 def _token_times(row) -> np.ndarray:
@@ -131,8 +122,8 @@ def _point(samples: pd.DataFrame, trials: pd.DataFrame | None, load: dict, slo: 
         "offered_rps": load.get("rate"),
         "trials": len(per_trial),
         "requests": int(len(samples)), "errors": int(len(samples) - len(ok)),
-        "achieved_rps": _geo_interval([v["achieved_rps"] for v in per_trial.values()]),
-        "output_tok_s": _geo_interval([v["output_tok_s"] for v in per_trial.values()]),
+        "achieved_rps": stats.rate_block({t: v["achieved_rps"] for t, v in per_trial.items()}),
+        "output_tok_s": stats.rate_block({t: v["output_tok_s"] for t, v in per_trial.items()}),
         **{col: stats.percentiles(pd.to_numeric(ok[col], errors="coerce").dropna().to_numpy()
                                   if col in ok else [], QUANTILES) for col in LATENCY_COLUMNS},
         "per_trial": per_trial,
@@ -151,11 +142,10 @@ def _point(samples: pd.DataFrame, trials: pd.DataFrame | None, load: dict, slo: 
 
 
 def _paired_ratio(mine: dict, base: dict, key: str) -> dict:
-    common = sorted(set(mine) & set(base))
-    ratios = [mine[t][key] / base[t][key] for t in common
-              if mine[t].get(key) is not None and base[t].get(key) not in (None, 0)]
-    block = _geo_interval(ratios)
-    return block
+    """stats.paired_ratios of one per-trial figure: a trial counts where the config has the figure and
+    the baseline's is above 0 (a config's 0 goodput stays in: a ratio of 0)."""
+    return stats.paired_ratios({t: v[key] for t, v in mine.items() if v.get(key) is not None},
+                               {t: v[key] for t, v in base.items() if v.get(key)})
 
 
 def serving_summary(run: RunData) -> dict | None:

@@ -70,6 +70,54 @@ def trial_interval(values: Sequence[float], alpha: float = 0.05) -> tuple[float,
     return float(centre), (float(lo), float(hi))
 
 
+def finite_interval(interval: tuple[float, float]) -> list[float] | None:
+    """An interval as the summary keeps it: [lower, upper], or None where either end is not finite."""
+    lo, hi = interval
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    return [float(lo), float(hi)]
+
+
+def interval_method(n: int, paired: bool = False) -> str | None:
+    """How an interval over n trials was computed, in words (summary and report)."""
+    if n < 2:
+        return None
+    what = "per-trial paired ratios (config / baseline, same trial)" if paired else "per-trial rates"
+    return f"Student t interval on the mean log of {n} {what}, {n - 1} degree{'s' if n > 2 else ''} of freedom"
+
+
+def rate_block(rates: dict[int, float]) -> dict:
+    """Per-trial rates (trial -> value): their median, and from 2 trials the geometric mean with its
+    trial_interval."""
+    values = [rates[t] for t in sorted(rates)]
+    block: dict = {"median": float(np.median(values)) if values else None,
+                   "ci95": None, "trials": values, "ci_method": None}
+    if len(values) >= 2:
+        block["geomean"], ci = trial_interval(values)
+        block["ci95"] = finite_interval(ci)
+        block["ci_method"] = interval_method(len(values))
+    return block
+
+
+def paired_ratios(rc: dict[int, float], rb: dict[int, float]) -> dict:
+    """Config vs baseline from trials both ran: the median of the per-trial ratios, and a t interval
+    on their logs (see log_t_interval). Without common trials: the ratio of the medians, no
+    interval (unpaired trials carry the machine's drift into the ratio)."""
+    empty = {"median": None, "ci95": None, "trials": [], "ci_method": None}
+    if not rc or not rb:
+        return empty
+    common = sorted(set(rc) & set(rb))
+    if not common:
+        return {**empty, "median": float(np.median(list(rc.values())) / np.median(list(rb.values())))}
+    ratios = [rc[t] / rb[t] for t in common]
+    out = {**empty, "median": float(np.median(ratios)), "trials": ratios}
+    if len(ratios) >= 2:
+        out["geomean"], ci = trial_interval(ratios)
+        out["ci95"] = finite_interval(ci)
+        out["ci_method"] = interval_method(len(ratios), paired=True)
+    return out
+
+
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
     """mean and the requested percentiles (keys 'mean', 'p50', ...); None where no data."""
     x = np.asarray(values, dtype=float)

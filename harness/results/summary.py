@@ -20,7 +20,7 @@ from moebench.errors import MoebenchError
 from moebench.fileio import read_json
 from moebench.results.paired_accuracy import paired_difference, tango_interval
 from moebench.results.policy import DEFAULTS
-from moebench.results.run_data import RunData, load_run, per_item  # noqa: F401  (re-exported: callers read runs through here)
+from moebench.results.run_data import RunData, is_error, load_run, per_item  # noqa: F401  (re-exported: callers read runs through here)
 from moebench.results.verdict import config_entry, format_p, judge_accuracy, verdict  # noqa: F401  (re-exported)
 
 SCHEMA = "moebench.summary/1"
@@ -28,13 +28,6 @@ FIRST_DIVERGENCE_CAP = 50
 
 
 # ---------------------------------------------------------------- small helpers
-
-def _ci(interval: tuple[float, float]) -> list[float] | None:
-    lo, hi = interval
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return None
-    return [float(lo), float(hi)]
-
 
 def _num(df: pd.DataFrame | None, col: str) -> pd.Series | None:
     if df is None or col not in df:
@@ -111,44 +104,6 @@ def _trial_rates(run: RunData, name: str, metric: str = "decode") -> dict[int, f
     return rates
 
 
-def interval_method(n: int, paired: bool = False) -> str | None:
-    """How an interval over n trials was computed, in words (summary and report)."""
-    if n < 2:
-        return None
-    what = "per-trial paired ratios (config / baseline, same trial)" if paired else "per-trial rates"
-    return f"Student t interval on the mean log of {n} {what}, {n - 1} degree{'s' if n > 2 else ''} of freedom"
-
-
-def _rate_block(rates: dict[int, float]) -> dict:
-    values = [rates[t] for t in sorted(rates)]
-    block: dict[str, Any] = {"median": float(np.median(values)) if values else None,
-                             "ci95": None, "trials": values, "ci_method": None}
-    if len(values) >= 2:
-        block["geomean"], ci = stats.trial_interval(values)
-        block["ci95"] = _ci(ci)
-        block["ci_method"] = interval_method(len(values))
-    return block
-
-
-def _speedup(rc: dict[int, float], rb: dict[int, float]) -> dict:
-    """Config vs baseline from trials both ran: the median of the per-trial ratios, and a t interval
-    on their logs (see stats.log_t_interval). Without common trials: the ratio of the medians, no
-    interval (unpaired trials carry the machine's drift into the ratio)."""
-    empty = {"median": None, "ci95": None, "trials": [], "ci_method": None}
-    if not rc or not rb:
-        return empty
-    common = sorted(set(rc) & set(rb))
-    if not common:
-        return {**empty, "median": float(np.median(list(rc.values())) / np.median(list(rb.values())))}
-    ratios = [rc[t] / rb[t] for t in common]
-    out = {**empty, "median": float(np.median(ratios)), "trials": ratios}
-    if len(ratios) >= 2:
-        out["geomean"], ci = stats.trial_interval(ratios)
-        out["ci95"] = _ci(ci)
-        out["ci_method"] = interval_method(len(ratios), paired=True)
-    return out
-
-
 # ---------------------------------------------------------------- samples
 
 def _accuracy(samples: pd.DataFrame, items: pd.DataFrame, name: str) -> dict:
@@ -159,7 +114,7 @@ def _accuracy(samples: pd.DataFrame, items: pd.DataFrame, name: str) -> dict:
     agree = bool((mine.groupby("item_id")["output"].nunique() <= 1).all())
     return {"correct": correct, "total": total,
             "value": correct / total if total else None,
-            "ci95": _ci(stats.wilson_ci(correct, total)),
+            "ci95": stats.finite_interval(stats.wilson_ci(correct, total)),
             "trials_agree": agree,
             "correct_per_trial": [per_trial[t] for t in sorted(per_trial)]}
 
@@ -175,13 +130,6 @@ def _latency(samples: pd.DataFrame) -> dict:
             itl.extend(float(x) for x in v if x is not None)
     out["itl_s"] = stats.percentiles(itl)
     return out
-
-
-def _is_error(df: pd.DataFrame) -> pd.Series:
-    err = df["error"].notna()
-    if "finish_reason" in df:
-        err |= df["finish_reason"] == "error"
-    return err
 
 
 # ---------------------------------------------------------------- steps and trials
@@ -339,7 +287,7 @@ def _accuracy_difference(samples: pd.DataFrame, name: str, base: str) -> dict:
     d = paired_difference(pd.factorize(pair["item_id"])[0], pair["correct_b"].to_numpy(bool),
                           pair["correct_c"].to_numpy(bool), trial_index=pair["trial"].to_numpy())
     pts = (lambda v: v * 100 if math.isfinite(v) else None)
-    ci = _ci((d["lower"], d["upper"]))
+    ci = stats.finite_interval((d["lower"], d["upper"]))
     return {"points": pts(d["estimate"]), "ci95": [v * 100 for v in ci] if ci else None,
             "method": d["method"], "items": d["items"], "pairs": d["pairs"], "trials": d["trials"],
             "design_effect": d["design_effect"], "discordance": d["discordance"],
@@ -363,11 +311,11 @@ def _vs_baseline(run: RunData, name: str, base: str, items: dict[str, pd.DataFra
                for i, r in pair[~same].iterrows()][:FIRST_DIVERGENCE_CAP]
     differing_answers = int((pair["answer_b"].astype(str) != pair["answer_c"].astype(str)).sum())
     # trial 0's interval, beside its McNemar test and delta (all trials: accuracy_difference)
-    delta_ci = _ci(tuple(float(v) for v in tango_interval(cfg_only, base_only, n))) if n else None
+    delta_ci = stats.finite_interval(tuple(float(v) for v in tango_interval(cfg_only, base_only, n))) if n else None
     return {
         # decode tok/s ratio (`speedup`, the schema's name) and whole-run output tok/s ratio
-        "speedup": _speedup(rates["decode"][name], rates["decode"][base]),
-        "output_speedup": _speedup(rates["output"][name], rates["output"][base]),
+        "speedup": stats.paired_ratios(rates["decode"][name], rates["decode"][base]),
+        "output_speedup": stats.paired_ratios(rates["output"][name], rates["output"][base]),
         "paired_items": n,
         "accuracy_delta": (cfg_only - base_only) / n * 100 if n else None,
         "accuracy_delta_ci95": [v * 100 for v in delta_ci] if delta_ci else None,
@@ -442,7 +390,7 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
         name = spec["name"]
         steps = _config_steps(run, name)
         mine = run.samples[run.samples["config"] == name]
-        decode = _rate_block(rates["decode"][name])
+        decode = stats.rate_block(rates["decode"][name])
         t0 = _trial0(run, name)
         entry = {
             "name": name,
@@ -456,9 +404,9 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
             **({"echo_only": spec["echo_only"]} if spec.get("echo_only") else {}),
             "trials": len(rates["decode"][name]) or int(mine["trial"].nunique()),
             "decode_tokens_per_s": decode,
-            "output_tokens_per_s": _rate_block(rates["output"][name]),
+            "output_tokens_per_s": stats.rate_block(rates["output"][name]),
             # completed requests / the trial's wall time, `vllm bench serve`'s request throughput
-            "requests_per_s": _rate_block(_trial_rates(run, name, "requests")),
+            "requests_per_s": stats.rate_block(_trial_rates(run, name, "requests")),
             "accuracy": _accuracy(run.samples, items[name], name) if name in known else
             {"correct": 0, "total": 0, "value": None, "ci95": None, "trials_agree": None,
              "correct_per_trial": []},
@@ -467,7 +415,7 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
                 _num(items[name], "output_tokens").dropna().to_numpy()
                 if "output_tokens" in items[name] else [], (50, 95)).items()},
             "truncations": int((items[name]["finish_reason"] == "length").sum()),
-            "errors": int(_is_error(mine).sum()),
+            "errors": int(is_error(mine).sum()),
             "activation": _activation(run, name),
             "batching": _batching(steps),
             "expert_store": _expert_store(steps),
@@ -477,7 +425,7 @@ def build_summary(run_dir: Path, margin: float | None = None) -> dict:
         }
         ref = spec.get("reference")  # a config with a speedup of its own against another (ablation.py)
         if ref in rates["decode"] and ref != name:
-            entry["vs_reference"] = {"config": ref, "speedup": _speedup(rates["decode"][name], rates["decode"][ref])}
+            entry["vs_reference"] = {"config": ref, "speedup": stats.paired_ratios(rates["decode"][name], rates["decode"][ref])}
         if name != base:
             vb = entry["vs_baseline"] = _vs_baseline(run, name, base, items, rates)
             vb["accuracy_difference"] = _accuracy_difference(run.samples, name, base)

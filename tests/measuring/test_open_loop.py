@@ -173,3 +173,15 @@ def test_a_closed_loop_run_writes_no_load_records(tmp_path):
 def test_a_bad_load_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     code, _, result = run(tmp_path, "--limit", 3, "--request-rate", "-1")
     assert code == 2 and not (tmp_path / "r").exists()
+
+
+def test_the_latency_rule_judges_every_load_and_never_passes_a_missing_one():
+    from moebench.results.gate import _latency_rules
+
+    def point(ci):
+        return {"vs_baseline": {"p99_ttft_ratio": {"median": sum(ci) / 2, "ci95": ci, "trials": [1.0, 1.0]}}}
+    summary = {"serving": {"loads": [{"label": "4/s"}, {"label": "8/s"}, {"label": "16/s"}, {"label": "inf"}],
+                           "configs": {"c": {"4/s": point([0.8, 1.05]), "8/s": point([1.2, 1.4]),
+                                             "16/s": point([0.9, 1.3])}}}}
+    rules = {r.name.rsplit("@ ", 1)[1]: r.status for r in _latency_rules(summary, "c", 0.1)}
+    assert rules == {"4/s": "pass", "8/s": "FAIL", "16/s": "inconclusive", "inf": "inconclusive"}
