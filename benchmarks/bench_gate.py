@@ -14,8 +14,9 @@ machine-load drift hits both alike:
 
   aa        the candidate is the baseline (A/A): every gate failure is a false alarm
   slowdown  the candidate's engine does `--slowdown` (default 15%) extra real compute per
-            forward (`SlowedPrefetcher` below wraps its prefetch strategy; the engine itself has no
-            test hook): every gate failure is a detection
+            forward (`SlowedPrefetcher` below wraps its prefetch strategy, in an engine built on the
+            bundled one and handed to measure() as its backend; the package has no test hook):
+            every gate failure is a detection
 
 The regression rule (`--rule`), with tolerance X (`--tolerance`):
 
@@ -36,23 +37,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 import math
 import os
 import shlex
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
-from unittest import mock
 
 import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from moebench.engine.config import RuntimeConfig
+from moebench.ablation import runtime_for
+from moebench.backends.bundled import BundledBackend
+from moebench.engine import Engine
 from moebench.models.random import make_random_qwen3_moe
 
 SCHEMA = "moebench.bench_gate/1"
@@ -125,6 +127,8 @@ class SlowedPrefetcher:
     `slowdown` x (the forward's time so far) of extra compute. It lives here, not in the engine: the
     product's step has no test hook. Everything else (evidence, activation) is the wrapped one's."""
 
+    active = True  # its hooks do something even where the wrapped strategy's (prefetch=off's) do not
+
     def __init__(self, inner, slowdown: float, last_moe_layer: int):
         self.inner, self.slowdown, self.last = inner, slowdown, last_moe_layer
         self._forward_start: float | None = None
@@ -145,52 +149,48 @@ class SlowedPrefetcher:
         return getattr(self.inner, name)
 
 
-@dataclass(frozen=True)
-class SlowedRuntime(RuntimeConfig):
-    """The candidate's runtime: the bundled runtime's settings plus the slowdown this benchmark
-    injects (a benchmark's own field: the package's RuntimeConfig has no test hook)."""
+class SlowedEngine(Engine):
+    """The candidate's engine: the bundled engine whose sessions run the prefetch strategy wrapped in
+    a SlowedPrefetcher, composed through Engine.store_and_prefetcher like any engine built on it."""
 
-    inject_slowdown: float = 0.0
+    def __init__(self, ckpt, tokenizer, runtime, slowdown: float):
+        super().__init__(ckpt, tokenizer, runtime)
+        self.slowdown = slowdown
+
+    def store_and_prefetcher(self):
+        store, prefetcher = super().store_and_prefetcher()
+        cfg = self.ckpt.config
+        last = max(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+        return store, SlowedPrefetcher(prefetcher, self.slowdown, last)
+
+
+class SlowedBackend(BundledBackend):
+    """The bundled backend, handed to measure() as any backend is; with a slowdown, the config named
+    "candidate" runs a SlowedEngine and every other config the plain one."""
+
+    def __init__(self, configs, checkpoints, tokenizer, base_runtime, slowdown: float = 0.0):
+        from moebench.measuring.measure import warm_up
+
+        super().__init__(configs, checkpoints, tokenizer, base_runtime, warm_up=warm_up)
+        self.slowdown = slowdown
+
+    @contextlib.contextmanager
+    def session(self, cfg, label: str = ""):
+        if cfg.name == "candidate" and self.slowdown:
+            yield SlowedEngine(self.checkpoints(cfg), self.tokenizer, runtime_for(self.base_runtime, cfg),
+                               self.slowdown)
+        else:
+            with super().session(cfg, label) as engine:
+                yield engine
 
 
 @contextlib.contextmanager
-def _candidate_extra(extra: dict, quiet: bool):
-    """Give the candidate's runtime `extra` (the injected slowdown, as a SlowedRuntime), and keep
-    measure() quiet.
-
-    The bundled backend looks `runtime_for` up in moebench.ablation at call time, so replacing it
-    there reaches both the warm-up and the trials without touching the package. The engine
-    builds its store and prefetcher through `make_store_and_prefetcher`; wrapped here, the
-    prefetcher of a SlowedRuntime with a slowdown is a SlowedPrefetcher.
-    """
-    import moebench.ablation as ablation_mod
-    import moebench.engine.llm_engine as engine_mod
-    import moebench.measuring.measure as measure_mod
-
-    original = ablation_mod.runtime_for
-    original_make = engine_mod.make_store_and_prefetcher
-
-    def runtime_for(base, cfg):
-        rt = original(base, cfg)
-        if cfg.name == "candidate" and extra:
-            rt = SlowedRuntime(**{f.name: getattr(rt, f.name) for f in fields(rt)}, **extra)
-        return rt
-
-    def make_store_and_prefetcher(ckpt, runtime):
-        store, prefetcher = original_make(ckpt, runtime)
-        slowdown = getattr(runtime, "inject_slowdown", 0.0)
-        if slowdown:
-            cfg = ckpt.config
-            last = max(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-            prefetcher = SlowedPrefetcher(prefetcher, float(slowdown), last)
-        return store, prefetcher
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(ablation_mod, "runtime_for", runtime_for))
-        stack.enter_context(mock.patch.object(engine_mod, "make_store_and_prefetcher", make_store_and_prefetcher))
-        if quiet:
-            stack.enter_context(mock.patch.object(measure_mod, "console", Console(quiet=True)))
-            stack.enter_context(mock.patch.object(measure_mod, "print_summary", lambda *a, **k: None))
+def _quiet(quiet: bool):
+    """measure() reports progress and its summary on the terminal; the benchmark keeps its own."""
+    if not quiet:
+        yield
+        return
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         yield
 
 
@@ -232,7 +232,7 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
     """
     from moebench.fileio import atomic_write_json
     from moebench.measuring.args import RunArgs
-    from moebench.measuring.measure import measure
+    from moebench.measuring.measure import CheckpointVariants, measure
     from moebench.results.summary import load_summary
 
     configs = _configs()
@@ -240,9 +240,11 @@ def measure_once(run_dir: Path, ckpt, tokenizer, suite_obj, runtime, repeats: in
                          slowdown if scenario == "slowdown" else 0.0)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_dir / "manifest.json", manifest)
-    extra = {"inject_slowdown": slowdown} if scenario == "slowdown" else {}
-    with _candidate_extra(extra, quiet):
-        measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, runtime, RunArgs(warmup=0))
+    backend = SlowedBackend(configs, CheckpointVariants(ckpt), tokenizer, runtime,
+                            slowdown if scenario == "slowdown" else 0.0)
+    with _quiet(quiet):
+        measure(run_dir, manifest, configs, ckpt, tokenizer, suite_obj, runtime, RunArgs(warmup=0),
+                backend=backend)
     return load_summary(run_dir)
 
 
@@ -366,7 +368,6 @@ def run_bench(runs: int = 20, scenarios: tuple[str, ...] = SCENARIOS, model: Pat
     """
     import torch
 
-    import moebench.ablation as ablation_mod
     from moebench.engine import RuntimeConfig
     from moebench.measuring.machine import describe_machine
     from moebench.measuring.measure import CheckpointVariants, warm_up
@@ -394,8 +395,8 @@ def run_bench(runs: int = 20, scenarios: tuple[str, ...] = SCENARIOS, model: Pat
         ckpt, tokenizer = _load_model(model_path, runtime)
         machine = describe_machine(measure_bandwidth=False)
         # One warm-up for the whole benchmark (the process stays warm between runs).
-        with _candidate_extra({}, quiet):
-            warm_up(_configs(), CheckpointVariants(ckpt), tokenizer, suite_obj, runtime, ablation_mod.runtime_for,
+        with _quiet(quiet):
+            warm_up(_configs(), CheckpointVariants(ckpt), tokenizer, suite_obj, runtime, runtime_for,
                     min(len(suite_obj.items), 4))
 
         results, summaries = [], []

@@ -131,6 +131,11 @@ class Engine:
                 if tid is not None:
                     self.eos_ids.add(tid)
 
+    def store_and_prefetcher(self):
+        """The expert store and prefetch strategy each new session runs (engine/store/factory.py),
+        composed here so that an engine built on this one (a benchmark's) can compose its own."""
+        return make_store_and_prefetcher(self.ckpt, self.runtime)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
@@ -289,7 +294,7 @@ class EngineSession:
         self.block_manager, self.kv, self.model = make_cache_and_model(engine.ckpt, rt, num_kv_blocks)
         self.stats = RoutingStats(cfg.num_layers, cfg.num_experts)
         self.kernel = make_kernel(rt.kernel, rt.overrides)
-        self.store, self.prefetcher = make_store_and_prefetcher(engine.ckpt, rt)
+        self.store, self.prefetcher = engine.store_and_prefetcher()
         self.model.moe_block = MoeBlock(self.model.route, self.kernel, self.store, self.prefetcher, self.stats)
         self.scheduler = make_scheduler(rt, self.block_manager)
         self.scheduler.attach(self.stats)

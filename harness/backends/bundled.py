@@ -19,10 +19,10 @@ class BundledBackend:
 
     @contextmanager
     def session(self, cfg, label: str = ""):
-        from moebench import ablation  # looked up at call time: benchmarks/bench_gate.py wraps runtime_for
+        from moebench.ablation import runtime_for
         from moebench.engine import Engine
 
-        yield Engine(self.checkpoints(cfg), self.tokenizer, ablation.runtime_for(self.base_runtime, cfg))
+        yield Engine(self.checkpoints(cfg), self.tokenizer, runtime_for(self.base_runtime, cfg))
 
     def warm_up(self, suite, n_items: int) -> None:
         from moebench import ablation

@@ -10,39 +10,50 @@ from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_checkpoint, write_char_tokenizer
 
 bench_gate = load_benchmark("bench_gate")
-_candidate_extra, _configs, judge = bench_gate._candidate_extra, bench_gate._configs, bench_gate.judge
+_configs, judge = bench_gate._configs, bench_gate.judge
 results_table, run_bench, sweep_table = bench_gate.results_table, bench_gate.run_bench, bench_gate.sweep_table
 
 
-def test_slowdown_reaches_only_the_candidate():
-    import moebench.ablation as ablation_mod
-    from moebench.engine import RuntimeConfig
-
-    original = ablation_mod.runtime_for
-    base = RuntimeConfig()
-    baseline, candidate = _configs()
-    with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
-        runtime_for = ablation_mod.runtime_for
-        assert runtime_for(base, candidate).inject_slowdown == 0.15
-        assert not hasattr(runtime_for(base, baseline), "inject_slowdown")
-        assert runtime_for(base, candidate).switches() == runtime_for(base, baseline).switches()
-    assert ablation_mod.runtime_for is original
-
-
-def test_the_slowdown_wraps_the_candidates_prefetcher_not_the_engine(tmp_path):
-    """The engine's step has no test hook; the benchmark wraps the candidate's prefetch strategy."""
-
-    import moebench.engine.llm_engine as engine_mod
-    SlowedPrefetcher = bench_gate.SlowedPrefetcher
-    from moebench.engine import RuntimeConfig, load_checkpoint
+def test_slowdown_reaches_only_the_candidate(tmp_path):
+    """The benchmark hands measure() its own backend: the candidate runs a SlowedEngine whose sessions
+    wrap the prefetch strategy; the baseline runs the plain engine; both have the same switches."""
+    from moebench.engine import Engine, RuntimeConfig, load_checkpoint
+    from moebench.measuring.measure import CheckpointVariants
 
     ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "model"))
-    with _candidate_extra({"inject_slowdown": 0.15}, quiet=True):
-        _, slowed = engine_mod.make_store_and_prefetcher(ckpt, bench_gate.SlowedRuntime(inject_slowdown=0.15))
-        _, plain = engine_mod.make_store_and_prefetcher(ckpt, RuntimeConfig())
-    assert isinstance(slowed, SlowedPrefetcher) and slowed.slowdown == 0.15 and slowed.last == 1
-    assert not isinstance(plain, SlowedPrefetcher)
+    baseline, candidate = _configs()
+    backend = bench_gate.SlowedBackend([baseline, candidate], CheckpointVariants(ckpt), None, RuntimeConfig(),
+                                       slowdown=0.15)
+    with backend.session(candidate) as slowed_engine, backend.session(baseline) as plain_engine:
+        assert isinstance(slowed_engine, bench_gate.SlowedEngine) and slowed_engine.slowdown == 0.15
+        assert type(plain_engine) is Engine
+        assert slowed_engine.runtime.switches() == plain_engine.runtime.switches()
+        _, slowed = slowed_engine.store_and_prefetcher()
+        _, plain = plain_engine.store_and_prefetcher()
+    assert isinstance(slowed, bench_gate.SlowedPrefetcher) and slowed.slowdown == 0.15 and slowed.last == 1
+    assert not isinstance(plain, bench_gate.SlowedPrefetcher)
     assert slowed.evidence() == plain.evidence()  # everything but the extra work is the wrapped one's
+    with bench_gate.SlowedBackend([baseline, candidate], CheckpointVariants(ckpt), None, RuntimeConfig()
+                                  ).session(candidate) as aa_engine:
+        assert type(aa_engine) is Engine  # A/A: no slowdown, the plain engine for both
+
+
+def test_the_slowed_engine_does_extra_work_inside_the_timed_step(tmp_path):
+    """The extra compute lands inside the engine's step (its decode time grows), not around it."""
+    from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint
+
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "model"))
+    rt = RuntimeConfig(batch_size=1, max_new_tokens=6)
+    requests = [Request(id="r", prompt="", max_new_tokens=6)]
+
+    def decode_seconds(engine):
+        res = engine.generate(requests, prompt_ids=[[1, 2, 3]])
+        return sum(s["duration_s"] for s in res.steps if s["phase"] == "decode"), res
+
+    plain_s, plain = decode_seconds(Engine(ckpt, None, rt))
+    slowed_s, slowed = decode_seconds(bench_gate.SlowedEngine(ckpt, None, rt, slowdown=3.0))
+    assert [c.output_ids for c in slowed.completions] == [c.output_ids for c in plain.completions]
+    assert slowed_s > 2 * plain_s  # 3x the forward's time of extra work in every forward
 
 
 def test_one_tiny_aa_run(tmp_path, gsm8k_dir):
