@@ -54,7 +54,7 @@ def timed(name, fn):
     return wrapper
 
 
-def instrument(vocab_size: int) -> None:
+def instrument() -> None:
     transformer = model_module.MoeTransformer
     # the sub-layer, not `attention`: a decode step runs it as one native call (csrc/decode_layer.cpp)
     transformer.attention_sublayer = timed("attention (qkv, attention, output projection, add + norm)",
@@ -88,17 +88,7 @@ def instrument(vocab_size: int) -> None:
         return TimedLayers(layers), head_inside
 
     transformer.native_decode_layers = timed_native_layers
-    plain_linear = model_module.linear
-
-    def linear(x, w, bias=None):  # the LM head is the projection with a row per vocabulary entry
-        if timing[0] and w.shape[0] == vocab_size:
-            start = time.perf_counter()
-            result = plain_linear(x, w, bias)
-            parts["LM head"] += time.perf_counter() - start
-            return result
-        return plain_linear(x, w, bias)
-
-    model_module.linear = linear
+    transformer.logits = timed("LM head", transformer.logits)  # after the layers, where the native call leaves it
     step_runner = runner_module.StepRunner  # every runner's run: the engine's step calls it
     forward = step_runner.run
 
@@ -114,20 +104,29 @@ def instrument(vocab_size: int) -> None:
     step_runner.run = timed_forward
 
 
-def weight_bytes(ckpt, decode_steps: list[dict]) -> dict[str, float]:
-    """Weight bytes a decode step reads in each part of the native call: the dense projections'
-    and, from the steps' routing records, the routed experts' (distinct experts per layer, counted
-    as the engine's bytes_read counts them), averaged over the steps."""
+def weight_bytes(engine, decode_steps: list[dict]) -> dict[str, float]:
+    """Weight bytes a decode step reads in each part of the native call, as the engine holds them
+    (--weights int8 / int4 rows with their scales; --lm-head's precision): the dense projections' and,
+    from the steps' routing records, the routed experts' (distinct experts per layer, counted as the
+    engine's bytes_read counts them), averaged over the steps."""
+    from moebench.engine.quantize import lm_head_bytes
+
+    ckpt, cfg = engine.ckpt, engine.cfg
+
+    def size(t):
+        return t.numel() * t.element_size()
+
     def total(name):
-        return sum(getattr(w, name).numel() * getattr(w, name).element_size() for w in ckpt.layers)
-    cfg = ckpt.config
-    expert_bytes = (cfg.expert_param_count * ckpt.layers[0].w13.element_size()
-                    * sum(map(cfg.is_moe_layer, range(cfg.num_layers))))
+        return sum(size(getattr(w, name)) for w in ckpt.layers)
+    moe = [w for i, w in enumerate(ckpt.layers) if cfg.is_moe_layer(i)]
+    per_expert = (size(moe[0].w13) + size(moe[0].w2)) / cfg.num_experts if moe else 0.0
     distinct = sum(s["distinct_experts"] for s in decode_steps) / len(decode_steps)
-    lm_head = ckpt.lm_head.numel() * ckpt.lm_head.element_size()  # in the native call, or after the layer loop
+    # the head in its own precision (f32: as the checkpoint holds it); in the native call or after the layer loop
+    full = ckpt.lm_head.element_size()
+    lm_head = lm_head_bytes(cfg.vocab_size, cfg.hidden_size, engine.runtime.lm_head, full)
     return {"layers: qkv projection": total("qkv_proj"), "layers: output projection": total("o_proj"),
             "layers: router": total("router"), "LM head": lm_head, "layers: LM head": lm_head,
-            "layers: experts": distinct * expert_bytes}
+            "layers: experts": distinct * per_expert * len(moe)}
 
 
 def thread_cpu_ms() -> dict[str, int]:
@@ -135,7 +134,8 @@ def thread_cpu_ms() -> dict[str, int]:
     out = {}
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
         fields = open(path).read().rsplit(")", 1)[1].split()
-        out[path.split("/")[4]] = (int(fields[11]) + int(fields[12])) * 1000 // ticks
+        name = open(path[:-len("stat")] + "comm").read().strip()
+        out[f"{path.split('/')[4]} {name}"] = (int(fields[11]) + int(fields[12])) * 1000 // ticks
     return out
 
 
@@ -154,7 +154,7 @@ def main() -> None:
                         help="the runtime's decode path (--decode-path of run); native, as bench-engine runs it by default")
     args = parser.parse_args()
     ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
-    instrument(ckpt.config.vocab_size)
+    instrument()
     batches = [int(b) for b in args.batch.split(",")]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, ckpt.config.vocab_size, (max(batches), args.prompt_len), generator=g).tolist()
@@ -193,7 +193,7 @@ def main() -> None:
                 print(f"   thread pool over the run: {pool['sections'] / steps:.0f} parallel sections per step; "
                       f"{pool['worker_sleeps'] / steps:.1f} worker sleeps and {pool['spins_refused'] / steps:.1f} "
                       f"spins refused (more runnable threads than cores) per step")
-            part_bytes = weight_bytes(ckpt, decode)
+            part_bytes = weight_bytes(engine, decode)
             for name, ms in per_step.items():
                 rate = (f", {part_bytes[name] / ms / 1e6:.1f} GB/s" if name in part_bytes and ms > 0 else "")
                 print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%}{rate})")
