@@ -43,6 +43,20 @@ def make_tiny_checkpoint(directory: Path, name: str = "qwen3_e6_k2_norm", seed: 
     return directory
 
 
+def make_tiny_int4_checkpoint(directory: Path, tied: bool = False) -> Path:
+    """A Qwen3-MoE whose every matrix's rows are a multiple of 32 wide (whole int4 groups)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                            num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, initializer_range=0.15,
+                            max_position_embeddings=512, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+                            tie_word_embeddings=tied)
+    Qwen3MoeForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
 def sharded_copy(ckpt, folder: Path):
     """`ckpt` rewritten into `folder` with its up projections in a second file (gate and down in the
     first): an expert is no longer one contiguous read. Returns the copy, loaded."""

@@ -117,18 +117,12 @@ def test_the_fused_torch_fallback_matches_the_reference(tokens, top_k):
 
 def _tiny(tmp_path, tied=False):
     """A Qwen3-MoE whose every matrix's rows are a multiple of 32 wide (int4 groups)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from tiny_models import make_tiny_int4_checkpoint
 
     from moebench.engine import load_checkpoint
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
-                            num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, initializer_range=0.15,
-                            max_position_embeddings=512, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-                            tie_word_embeddings=tied)
-    Qwen3MoeForCausalLM(config).eval().save_pretrained(tmp_path / "m")
-    return tmp_path / "m", load_checkpoint(tmp_path / "m")
+    path = make_tiny_int4_checkpoint(tmp_path / "m", tied)
+    return path, load_checkpoint(path)
 
 
 def _generate(ckpt, **runtime):
