@@ -220,23 +220,21 @@ def quantize_q8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def q4_q8_dot_reference(q: Tensor, d: Tensor, w: Tensor) -> Tensor:
     """[N, M] float32: quantized tokens (q [N, K] int8, d [N, K / 32], quantize_q8_rows) dotted with int4
-    rows w [M, K / 32 * 18] as the kernel sums them: eight float32 lanes, lane j taking values 4j..4j+3
-    of each block; per block its lane's exact integer sum i, then acc = acc + float(i) * (d_w * d_x)
-    (each operation rounded on its own); then the lanes in hsum's order, (l0 + l4 + l2 + l6) + ...:
-    s_i = l_i + l_(i+4), result (s0 + s2) + (s1 + s3)."""
+    rows w [M, K / 32 * 18] as the kernel sums them (kernels/csrc/q8_cpu.h: q4q8_dot8): per block in
+    order, its exact integer sum i, then acc = acc + float(i) * (d_w * d_x), each operation rounded on
+    its own; ggml's scalar vec_dot_q4_0_q8_0 order."""
     values, dw = unpack_int4_rows(w)  # [M, K] int8 in [-8, 7], [M, K / 32]
     n, k = q.shape
     m = values.shape[0]
     blocks = k // Q8_GROUP
-    wl = values.to(torch.int32).reshape(1, m, blocks, 8, 4)
-    xl = q.to(torch.int32).reshape(n, 1, blocks, 8, 4)
-    acc = torch.zeros(n, m, 8, dtype=torch.float32)
+    wb = values.to(torch.int32).reshape(1, m, blocks, Q8_GROUP)
+    xb = q.to(torch.int32).reshape(n, 1, blocks, Q8_GROUP)
+    acc = torch.zeros(n, m, dtype=torch.float32)
     for b in range(blocks):
-        isum = (wl[:, :, b] * xl[:, :, b]).sum(dim=-1)  # [N, M, 8], exact
+        isum = (wb[:, :, b] * xb[:, :, b]).sum(dim=-1)  # [N, M], exact
         scale = dw[None, :, b] * d[:, None, b]  # [N, M] float32
-        acc = acc + isum.float() * scale[..., None]
-    s = acc[..., :4] + acc[..., 4:]
-    return (s[..., 0] + s[..., 2]) + (s[..., 1] + s[..., 3])
+        acc = acc + isum.float() * scale
+    return acc
 
 
 def q4_q8_linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -1,25 +1,30 @@
 // Activations quantized to 8 bits per block of 32 values (the activations override "q8", issue 47,
 // docs/int4.md): an APPROXIMATION, off unless asked for, applied to int4 weights only. It is what
 // llama.cpp does for its Q4_0 dot products (Q8_0 activations): the int4 x int8 products are summed in
-// integers, and only one float multiply-add per block and token is left, where the weight-only kernels
-// (int4_cpu.h) widen every weight to float32 and spend an FMA per weight on it. At one token the
-// weight-only int4 kernel is bound by those instructions, not by the bytes it reads.
+// integers, and only one float multiply-add per block is left, where the weight-only kernels
+// (int4_cpu.h) widen every weight to float32 and spend an FMA per weight on it.
 //
 // A token's row of K values (K a multiple of 32) is quantized once per op (q8_quantize_row): per
 // block b, amax = max |x|, d = amax / 127, q = round-half-even(x * (127 / amax)) (0 where amax is 0),
 // as ggml's AVX2 quantize_row_q8_0 does, except that d stays float32 (ggml stores a float16). Beside
-// q it keeps s8[b][j] = 8 * (q[4j] + ... + q[4j + 3]): the weights' nibbles n are q4 + 8, and
-// maddubs takes them unsigned, so sum(q4 * q) = sum(n * q) - 8 * sum(q), lane by lane.
+// q it keeps offset[b] = 8 * (the block's sum of q): the weights' nibbles n are q4 + 8, and maddubs
+// takes them unsigned, so sum(q4 * q) = sum(n * q) - offset.
 //
 // The dot of an int4 row with a quantized token, in this order and no other (the reference,
-// kernels/reference.py: q4_q8_dot_reference, does the same float32 operations): eight float32 lanes,
-// lane j taking values 4j..4j+3 of each block; per block, its lane's exact integer sum i_j, then
-// acc_j = acc_j + float(i_j) * (d_w * d_x): three roundings, a multiply, a multiply, an add (the
-// extension is built with -ffp-contract=off, so none is fused); then hsum's order (cpu_common.h).
+// kernels/reference.py: q4_q8_dot_reference, does the same float32 operations): per block b in order,
+// the block's exact integer sum i_b, then acc = acc + float(i_b) * (d_w * d_x), three roundings, a
+// multiply, a multiply, an add (the extension is built with -ffp-contract=off, so none is fused) --
+// the order of ggml's scalar vec_dot_q4_0_q8_0. The kernel takes eight rows at once, one float32 lane
+// each: a block's integer sums of eight rows are reduced into one vector with packs and madds (every
+// partial sum of at most 16 products of |n| <= 15 and |q| <= 127 fits an int16: 16 * 1905 = 30480),
+// so the float work per block is one conversion, two multiplies and an add for the eight rows, and no
+// horizontal sum is left at the end of a row. Bound at one token by the integer multiplies (two per
+// row and block) rather than by the bytes it reads.
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -34,7 +39,7 @@ bool q8_activations();
 extern std::atomic<int64_t> g_q8_weight_rows;
 extern std::atomic<int64_t> g_q8_activation_rows;
 
-// Quantized tokens of one op: q [N][K] int8, d [N][K / 32] float32, s8 [N][K / 32][8] int32.
+// Quantized tokens of one op: q [N][K] int8, d [N][K / 32] float32, offset [N][K / 32] int32.
 class Q8Tokens {
  public:
   Q8Tokens() = default;
@@ -46,22 +51,22 @@ class Q8Tokens {
     K_ = K;
     q_.resize(static_cast<size_t>(N * K));
     d_.resize(static_cast<size_t>(N * (K / 32)));
-    s8_.resize(static_cast<size_t>(N * (K / 32) * 8));
+    offset_.resize(static_cast<size_t>(N * (K / 32)));
   }
   void quantize(int64_t row, const float* x);  // below
   const int8_t* q(int64_t row) const { return q_.data() + row * K_; }
   const float* d(int64_t row) const { return d_.data() + row * (K_ / 32); }
-  const int32_t* s8(int64_t row) const { return s8_.data() + row * (K_ / 32) * 8; }
+  const int32_t* offset(int64_t row) const { return offset_.data() + row * (K_ / 32); }
   int64_t K() const { return K_; }
 
  private:
   int64_t K_ = 0;
   std::vector<int8_t> q_;
   std::vector<float> d_;
-  std::vector<int32_t> s8_;
+  std::vector<int32_t> offset_;
 };
 
-MOEBENCH_Q4_TARGET inline void q8_quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s8) {
+MOEBENCH_Q4_TARGET inline void q8_quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* offset) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
@@ -81,94 +86,125 @@ MOEBENCH_Q4_TARGET inline void q8_quantize_row(const float* x, int64_t K, int8_t
       _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * j),
                          _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-    for (int j = 0; j < 8; ++j) {
-      s8[8 * b + j] = 8 * (qi[4 * j] + qi[4 * j + 1] + qi[4 * j + 2] + qi[4 * j + 3]);
-      for (int i = 0; i < 4; ++i) q[32 * b + 4 * j + i] = static_cast<int8_t>(qi[4 * j + i]);
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      sum += qi[i];
+      q[32 * b + i] = static_cast<int8_t>(qi[i]);
     }
+    offset[b] = 8 * sum;
   }
 }
 
 inline void Q8Tokens::quantize(int64_t row, const float* x) {
-  q8_quantize_row(x, K_, q_.data() + row * K_, d_.data() + row * (K_ / 32), s8_.data() + row * (K_ / 32) * 8);
+  q8_quantize_row(x, K_, q_.data() + row * K_, d_.data() + row * (K_ / 32), offset_.data() + row * (K_ / 32));
 }
 
-// o[s * T + t] = dot(int4 row w[s], quantized token t) for S rows and T tokens (see the top).
-template <int S, int T>
-MOEBENCH_Q4_TARGET void q4q8_dot(const Q4* const* w, const int8_t* const* xq, const float* const* xd,
-                                 const int32_t* const* xs, int64_t K, float* o) {
-  __m256 acc[S][T];
-  for (int s = 0; s < S; ++s)
-    for (int t = 0; t < T; ++t) acc[s][t] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+// Eight rows' block scales (the float16 at offset `at` of each row) as float32 lanes 0-7.
+MOEBENCH_Q4_TARGET inline __m256 q4_scales8(const Q4* const* w, int64_t at) {
+  alignas(16) uint16_t h[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(&h[r], w[r] + at, sizeof h[r]);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// Lane r of the result: the sum of the eight int32 lanes of m[r]. Two levels of packs (int32 to int16,
+// exact for the partial sums above) and madds with ones (adjacent pairs to int32), then the two
+// 128-bit halves added: lanes 0-3 of a0123 hold rows 0-3's low-half sums, lanes 4-7 their high-half.
+MOEBENCH_Q4_TARGET inline __m256i q4q8_row_sums8(const __m256i (&m)[8]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i a01 = _mm256_madd_epi16(_mm256_packs_epi32(m[0], m[1]), ones);
+  const __m256i a23 = _mm256_madd_epi16(_mm256_packs_epi32(m[2], m[3]), ones);
+  const __m256i a45 = _mm256_madd_epi16(_mm256_packs_epi32(m[4], m[5]), ones);
+  const __m256i a67 = _mm256_madd_epi16(_mm256_packs_epi32(m[6], m[7]), ones);
+  const __m256i a0123 = _mm256_madd_epi16(_mm256_packs_epi32(a01, a23), ones);
+  const __m256i a4567 = _mm256_madd_epi16(_mm256_packs_epi32(a45, a67), ones);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a0123, a4567, 0x20),
+                          _mm256_permute2x128_si256(a0123, a4567, 0x31));
+}
+
+// o[r * T + t] = dot(int4 row w[r], quantized token t) for 8 rows and T tokens (see the top).
+template <int T>
+MOEBENCH_Q4_TARGET void q4q8_dot8(const Q4* const* w, const int8_t* const* xq, const float* const* xd,
+                                  const int32_t* const* xoff, int64_t K, float* o) {
+  constexpr int R = 8;
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  // one 16-byte load into both halves; the upper half shifted by 4: bytes 0-15 the low nibbles
+  // (values 0-15), bytes 16-31 the high nibbles (values 16-31)
+  const __m256i low = _mm256_set1_epi8(0x0F), high_half = _mm256_set_epi64x(4, 4, 0, 0), ones = _mm256_set1_epi16(1);
   for (int64_t k = 0, b = 0; k < K; k += kQ4Values, ++b) {
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) {
-      const Q4* block = w[s] + b * kQ4Bytes;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-      // bytes 0-15: the low nibbles (values 0-15), bytes 16-31: the high nibbles (values 16-31)
-      const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-      const __m256 dw = _mm256_set1_ps(q4_scale(block));
-#pragma GCC unroll 3
-      for (int t = 0; t < T; ++t) {
-        const __m256i pairs = _mm256_maddubs_epi16(n, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + k)));
-        const __m256i isum = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones),
-                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[t] + 8 * b)));
-        const __m256 d = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[t] + b));
-        acc[s][t] = _mm256_add_ps(acc[s][t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), d));
-      }
+    __m256i n[R];
+    for (int r = 0; r < R; ++r) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * kQ4Bytes + 2));
+      n[r] = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(raw), high_half), low);
+    }
+    const __m256 dw = q4_scales8(w, b * kQ4Bytes);
+    for (int t = 0; t < T; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + k));
+      __m256i m[R];
+      for (int r = 0; r < R; ++r) m[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(n[r], x), ones);
+      const __m256i isum = _mm256_sub_epi32(q4q8_row_sums8(m), _mm256_set1_epi32(xoff[t][b]));
+      const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xd[t][b]));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), d));
     }
   }
-  for (int s = 0; s < S; ++s)
-    for (int t = 0; t < T; ++t) o[s * T + t] = hsum(acc[s][t]);
+  for (int t = 0; t < T; ++t) {
+    alignas(32) float lanes[R];
+    _mm256_store_ps(lanes, acc[t]);
+    for (int r = 0; r < R; ++r) o[r * T + t] = lanes[r];
+  }
 }
 
-template <int S, int T>
-inline void q4q8_dot_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
+template <int T>
+inline void q4q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
   const int8_t* xq[T];
   const float* xd[T];
-  const int32_t* xs[T];
+  const int32_t* xoff[T];
   for (int t = 0; t < T; ++t) {
     xq[t] = x.q(tokens[t]);
     xd[t] = x.d(tokens[t]);
-    xs[t] = x.s8(tokens[t]);
+    xoff[t] = x.offset(tokens[t]);
   }
-  q4q8_dot<S, T>(w, xq, xd, xs, x.K(), o);
+  q4q8_dot8<T>(w, xq, xd, xoff, x.K(), o);
 }
 
-template <int S>
-inline void q4q8_dot_group(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
-  if (n == 1) q4q8_dot_tokens<S, 1>(w, x, tokens, o);
-  else if (n == 2) q4q8_dot_tokens<S, 2>(w, x, tokens, o);
-  else q4q8_dot_tokens<S, 3>(w, x, tokens, o);
+// Eight rows with every token, 3 tokens at a time while the rows stay in L1: os[r * m + t - t0].
+template <typename Put>
+inline void q4q8_dot8_group(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, int64_t n, Put&& put) {
+  float os[8 * 3];
+  for (int64_t t0 = 0; t0 < n; t0 += 3) {
+    const int64_t m = std::min<int64_t>(3, n - t0);
+    if (m == 1) q4q8_dot8_tokens<1>(w, x, tokens + t0, os);
+    else if (m == 2) q4q8_dot8_tokens<2>(w, x, tokens + t0, os);
+    else q4q8_dot8_tokens<3>(w, x, tokens + t0, os);
+    put(t0, m, os);
+  }
 }
 
 // o[i * n + t] = dot(row(i), token tokens[t]) for rows i in [0, rows) and n tokens (rows of x). The
-// rows are read as four runs side by side, as dot_rows_streamed reads them (cpu_common.h), the i-th
-// row of each run with every token, 3 tokens at a time: the 4 rows stay in L1 while the groups pass.
+// rows are read as eight runs side by side, as dot_rows_streamed reads its runs (cpu_common.h), the
+// i-th row of each run with every token; the rows left over (fewer than 8) go as one group whose
+// missing rows repeat the last one, their sums dropped.
 template <typename Row>
 inline void q4q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
-  constexpr int S = 4;
-  const int64_t q = rows / S;
+  constexpr int R = 8;
+  const int64_t q = rows / R;
   g_q8_weight_rows.fetch_add(rows, std::memory_order_relaxed);
-  float os[S * 3];
   for (int64_t i = 0; i < q; ++i) {
-    const Q4* w[S];
-    for (int s = 0; s < S; ++s) w[s] = row(s * q + i);
-    for (int64_t t0 = 0; t0 < n; t0 += 3) {
-      const int64_t m = std::min<int64_t>(3, n - t0);
-      q4q8_dot_group<S>(w, x, tokens + t0, m, os);
-      for (int s = 0; s < S; ++s)
-        for (int64_t t = 0; t < m; ++t) o[(s * q + i) * n + t0 + t] = os[s * m + t];
-    }
+    const Q4* w[R];
+    for (int r = 0; r < R; ++r) w[r] = row(r * q + i);
+    q4q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
+      for (int r = 0; r < R; ++r)
+        for (int64_t t = 0; t < m; ++t) o[(r * q + i) * n + t0 + t] = os[r * m + t];
+    });
   }
-  for (int64_t i = S * q; i < rows; ++i) {
-    const Q4* w = row(i);
-    for (int64_t t0 = 0; t0 < n; t0 += 3) {
-      const int64_t m = std::min<int64_t>(3, n - t0);
-      q4q8_dot_group<1>(&w, x, tokens + t0, m, os);
-      for (int64_t t = 0; t < m; ++t) o[i * n + t0 + t] = os[t];
-    }
-  }
+  const int64_t left = rows - R * q;
+  if (left == 0) return;
+  const Q4* w[R];
+  for (int r = 0; r < R; ++r) w[r] = row(R * q + std::min<int64_t>(r, left - 1));
+  q4q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
+    for (int64_t r = 0; r < left; ++r)
+      for (int64_t t = 0; t < m; ++t) o[(R * q + r) * n + t0 + t] = os[r * m + t];
+  });
 }
 
 }  // namespace moebench_cpu
