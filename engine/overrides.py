@@ -41,9 +41,10 @@ class Overrides:
     huge_pages: bool = True
     # accept every torch fallback (no compiler, no AVX2) instead of failing the activation check
     allow_fallback: bool = False
-    # what int4 weights meet in the C++ dense and fused MoE kernels: f32 activations (weight-only,
-    # exact to the dequantized weights) or q8, each activation row quantized per block of 32 to int8
-    # with a float32 scale and dotted in integers, as llama.cpp's Q4_0 x Q8_0 (kernels/csrc/q8_cpu.h).
+    # what int4 and int8 rows (weights, an int8 LM head) meet in the C++ kernels: f32 activations
+    # (weight-only, exact to the dequantized weights) or q8, each activation row quantized per block of
+    # 32 to int8 with a float32 scale and dotted in integers, as llama.cpp's Q4_0 / Q8_0 x Q8_0
+    # (kernels/csrc/q8_cpu.h).
     # The one override that changes results: APPROXIMATE, off unless asked for, in the manifest with the
     # others, and counted where it ran (simd_stats: q8_weight_rows, q8_activation_rows)
     activations: str = "f32"
@@ -121,9 +122,9 @@ def apply_process_overrides(overrides: Overrides, extension: bool = True) -> Non
     memory.set_huge_pages(overrides.huge_pages)
     ext = load_extension() if extension else None
     if overrides.activations != "f32" and (ext is None or not hasattr(ext, "set_activations")):
-        # the torch path computes int4 weights with float32 activations: the switch would do nothing
+        # the torch path computes int4 and int8 weights with float32 activations: the switch would do nothing
         message = (f"{VARIABLES['activations']}={overrides.activations}: no C++ kernel here quantizes activations "
-                   "(the extension did not build, or this is not a CPU run); int4 weights would meet float32 "
+                   "(the extension did not build, or this is not a CPU run); int4 and int8 weights would meet float32 "
                    "activations in torch")
         if not overrides.allow_fallback:
             raise MoebenchError(message + f" (set {VARIABLES['allow_fallback']}=1 to accept that)")

@@ -84,11 +84,10 @@ def torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
         from .reference import rows_linear_reference
 
         name = "int8" if weight.dtype == torch.int8 else "int4"
-        if name == "int4":
-            from .int4_torch import warn_float_activations
+        from .int4_torch import warn_float_activations
 
-            warn_float_activations("a dense projection" + ("" if rows_stream(x) else " of prefill rows"),
-                                   loaded_extension())
+        warn_float_activations("a dense projection" + ("" if rows_stream(x) else " of prefill rows"),
+                               loaded_extension(), name)
         if name == "int4" and rows_stream(x):  # a decode step's rows that no C++ int4 kernel streamed
             from .int4_torch import warn_slow_path
 
@@ -133,6 +132,10 @@ def torch_lm_head(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Ten
     _calls[BACKEND_TORCH] = _calls.get(BACKEND_TORCH, 0) + 1
     name = str(weight.dtype).replace("torch.", "")
     _torch_head_calls[name] = _torch_head_calls.get(name, 0) + 1
+    if weight.dtype == torch.int8:
+        from .int4_torch import warn_float_activations
+
+        warn_float_activations("the LM head" + ("" if rows_stream(x) else " of prefill rows"), loaded_extension(), "int8")
     if scale is None and weight.dtype == x.dtype:
         return F.linear(x, weight).float()
     from .reference import lm_head_reference

@@ -140,7 +140,10 @@ def fused_moe_cpu_torch(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: 
     together, SiLU(gate) * up, one grouped matmul for down, routed weight, top-k sum.
     No per-expert Python loop when torch._grouped_mm is available (torch >= 2.8 on CPU)."""
     if w13.dtype == torch.int8:  # int8 rows with their scales: dequantized for the grouped matmuls
+        from .int4_torch import warn_float_activations
         from .reference import unpack_int8_rows
+
+        warn_float_activations("the fused MoE op in torch", loaded_extension(), "int8")
 
         w13, w2 = ((v.to(x.dtype) * s[..., None].to(x.dtype)) for v, s in map(unpack_int8_rows, (w13, w2)))
     elif w13.dtype == torch.uint8:  # int4 rows (docs/int4.md): no C++ kernel took them, the slow path

@@ -37,13 +37,13 @@ def warn_slow_path(op: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-def warn_float_activations(op: str, ext) -> None:
-    """Say once per process and op that `op` ran int4 weights in torch with float32 activations while
-    the activations override asks for q8 (kernels/csrc/q8_cpu.h; `ext`: the loaded extension, which
+def warn_float_activations(op: str, ext, weights: str = "int4") -> None:
+    """Say once per process and op that `op` ran `weights` (int4, or int8 rows) in torch with float32
+    activations while the activations override asks for q8 (kernels/csrc/q8_cpu.h; `ext`: the loaded extension, which
     holds that setting, or None): only the C++ dense and fused MoE kernels quantize activations, so
     here the switch does not act (prefill rows of the dense projections, the slow path)."""
-    if ext is None or not hasattr(ext, "activations") or ext.activations() != "q8" or ("q8", op) in _warned:
+    if ext is None or not hasattr(ext, "activations") or ext.activations() != "q8" or ("q8", op, weights) in _warned:
         return
-    _warned.add(("q8", op))
-    warnings.warn(f"moebench: q8 ACTIVATIONS NOT APPLIED: {op} runs int4 weights in torch with float32 activations "
-                  "(only the C++ dense and fused MoE kernels quantize them; docs/int4.md)", RuntimeWarning, stacklevel=3)
+    _warned.add(("q8", op, weights))
+    warnings.warn(f"moebench: q8 ACTIVATIONS NOT APPLIED: {op} runs {weights} weights in torch with float32 activations "
+                  "(only the C++ kernels quantize them; docs/int4.md)", RuntimeWarning, stacklevel=3)

@@ -19,7 +19,8 @@ from torch import Tensor
 
 __all__ = ["route_softmax_topk", "route_grouped_sigmoid", "moe_reference", "topk_lowest_index", "lm_head_reference",
            "unpack_int8_rows", "rows_linear_reference", "unpack_int4_rows", "dequantize_int4_rows",
-           "stored_width", "stored_columns", "quantize_q8_rows", "q4_q8_dot_reference", "q4_q8_linear_reference",
+           "stored_width", "stored_columns", "quantize_q8_rows", "q4_q8_dot_reference", "i8_q8_dot_reference", "q8_dot_reference",
+           "q8_linear_reference",
            "moe_q8_reference"]
 
 
@@ -237,16 +238,42 @@ def q4_q8_dot_reference(q: Tensor, d: Tensor, w: Tensor) -> Tensor:
     return acc
 
 
-def q4_q8_linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [N, K] float32 @ int4 rows w.T with x quantized per block (the dense kernel with q8 activations),
-    plus the bias after the dot."""
-    out = q4_q8_dot_reference(*quantize_q8_rows(x), w)
+def i8_q8_dot_reference(q: Tensor, d: Tensor, values: Tensor, scale: Tensor) -> Tensor:
+    """[N, M] float32: quantized tokens (quantize_q8_rows) dotted with int8 rows (values [M, K], scale
+    [M] float32) as the kernel sums them (kernels/csrc/q8_cpu.h: i8q8_dot8): per block in order, its
+    exact integer sum i, then acc = acc + float(i) * d_x, each operation rounded on its own; then the
+    row's scale, as the weight-only int8 kernels apply it."""
+    n, k = q.shape
+    m = values.shape[0]
+    blocks = k // Q8_GROUP
+    wb = values.to(torch.int32).reshape(1, m, blocks, Q8_GROUP)
+    xb = q.to(torch.int32).reshape(n, 1, blocks, Q8_GROUP)
+    acc = torch.zeros(n, m, dtype=torch.float32)
+    for b in range(blocks):
+        acc = acc + (wb[:, :, b] * xb[:, :, b]).sum(dim=-1).float() * d[:, None, b]
+    return acc * scale.float()[None, :]
+
+
+def q8_dot_reference(q: Tensor, d: Tensor, w: Tensor, scale: Tensor | None = None) -> Tensor:
+    """[N, M] float32: quantized tokens dotted with int4 rows (uint8, Q4_0 blocks), int8 rows that carry
+    their scale, or int8 rows with a separate `scale` (an LM head), as the q8 kernels sum them."""
+    if w.dtype == torch.uint8:
+        return q4_q8_dot_reference(q, d, w)
+    values, row_scale = unpack_int8_rows(w) if scale is None else (w, scale)
+    return i8_q8_dot_reference(q, d, values, row_scale)
+
+
+def q8_linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """x [N, K] float32 @ int4 or int8 rows w.T with x quantized per block (the dense kernel and the LM
+    head with q8 activations), plus the bias after the dot (and the scale)."""
+    out = q8_dot_reference(*quantize_q8_rows(x), w, scale)
     return out + bias.float() if bias is not None else out
 
 
 def moe_q8_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """The fused MoE kernel with int4 experts and q8 activations: each token quantized once, each
-    (token, rank) pair's silu(gate) * up row quantized once, the dots as q4_q8_dot_reference, the
+    """The fused MoE kernel with int4 experts (or int8 experts with their row scales) and q8 activations:
+    each token quantized once, each (token, rank) pair's silu(gate) * up row quantized once, the dots as
+    q8_dot_reference, the
     routed weight times each down row, and each token's k rows added in rank order (moe_reference's)."""
     n, k = topk_ids.shape
     inter = w13.shape[1] // 2
@@ -254,10 +281,10 @@ def moe_q8_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Ten
     pairs = torch.empty(n * k, w2.shape[1], dtype=torch.float32)
     for p in range(n * k):
         t, e = p // k, int(topk_ids.reshape(-1)[p])
-        o = q4_q8_dot_reference(xq[t:t + 1], xd[t:t + 1], w13[e])[0]
+        o = q8_dot_reference(xq[t:t + 1], xd[t:t + 1], w13[e])[0]
         h = F.silu(o[:inter]) * o[inter:]
         hq, hd = quantize_q8_rows(h[None])
-        pairs[p] = topk_weights.reshape(-1)[p].float() * q4_q8_dot_reference(hq, hd, w2[e])[0]
+        pairs[p] = topk_weights.reshape(-1)[p].float() * q8_dot_reference(hq, hd, w2[e])[0]
     pairs = pairs.view(n, k, -1)
     out = pairs[:, 0].clone()
     for rank in range(1, k):

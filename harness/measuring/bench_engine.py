@@ -425,7 +425,7 @@ def bench_engine(
                 if vs == "llama.cpp":  # the GGUF export carries a tokenizer; a character one will do
                     write_char_tokenizer(path, DEFAULT_SHAPE["vocab_size"])
         # experts as the store holds them on the CPU (a bfloat16 checkpoint's stay bfloat16), as `run` loads
-        overrides = with_activations(Overrides.from_environment(os.environ), activations, weights)  # read once, here
+        overrides = with_activations(Overrides.from_environment(os.environ), activations, weights, lm_head)  # read once, here
         ckpt = load_checkpoint(path, experts_in_checkpoint_dtype=True, overrides=overrides)
         held = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(ckpt.checkpoint_dtype)
         if held is None or (dtype is not None and dtype != held):

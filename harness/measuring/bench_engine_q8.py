@@ -1,5 +1,5 @@
 """bench-engine's `--activations` (the activations override, engine/overrides.py; kernels/csrc/q8_cpu.h):
-int4 weights meeting q8 activations, an approximation, asked for on the command line or by
+int4 and int8 weights (and an int8 LM head) meeting q8 activations, an approximation, asked for on the command line or by
 MOEBENCH_ACTIVATIONS, refused where it cannot apply, and required to show in the kernels' own counters
 (the runner's streamed_dots: q8_weight_rows) after every timed run."""
 
@@ -10,16 +10,17 @@ import dataclasses
 from moebench.errors import MoebenchError
 
 
-def with_activations(overrides, activations: str | None, weights: str):
+def with_activations(overrides, activations: str | None, weights: str, lm_head: str = "f32"):
     """`overrides` with --activations applied (None: as the environment set them), checked: q8 has
-    kernels for int4 weights only, so with other weights it would do nothing, and is refused."""
+    kernels for int4 and int8 rows only, so with float weights and a float head it would do nothing,
+    and is refused."""
     if activations not in (None, "f32", "q8"):
         raise MoebenchError(f"--activations {activations!r}: choose from f32, q8")
     if activations is not None:
         overrides = dataclasses.replace(overrides, activations=activations)
-    if overrides.activations != "f32" and weights != "int4":
-        raise MoebenchError(f"--activations {overrides.activations} (MOEBENCH_ACTIVATIONS): only int4 weights have "
-                            "q8 kernels; give --weights int4")
+    if overrides.activations != "f32" and weights not in ("int4", "int8") and lm_head != "int8":
+        raise MoebenchError(f"--activations {overrides.activations} (MOEBENCH_ACTIVATIONS): only int4 and int8 rows "
+                            "have q8 kernels; give --weights int4, --weights int8 or --lm-head int8")
     return overrides
 
 
@@ -40,10 +41,10 @@ def find(tree, key: str):
 
 
 def require_q8_ran(overrides, evidence: dict) -> None:
-    """q8 activations asked for and no int4 row met them in the kernels: an error, not a figure."""
+    """q8 activations asked for and no int4 or int8 row met them in the kernels: an error, not a figure."""
     if overrides.activations == "f32":
         return
     dots = find(evidence, "streamed_dots") or {}
     if not dots.get("q8_weight_rows"):
-        raise MoebenchError(f"bundled runtime: activations {overrides.activations} asked for and no int4 row met "
+        raise MoebenchError(f"bundled runtime: activations {overrides.activations} asked for and no int4 or int8 row met "
                             f"them in the kernels (streamed_dots: {dots})")

@@ -257,11 +257,13 @@ void dense_rows(const float* x, int64_t ldx, const PackedTokens* packed, int64_t
   }
 }
 
-// int4 rows with q8 activations (q8_cpu.h): the N tokens quantized once, then every item's rows with
-// every token. Items are sized as the weight-only kernel's (streamed_item_rows) for any N: the rows
-// are read as four runs and meet 3 tokens at a time while they are in L1.
-void dense_q4q8(const float* x, int64_t ldx, int64_t N, int64_t K, const moebench_cpu::Q4* w, int64_t ldw, int64_t M,
-                const float* bias, float* out, int threads) {
+// int4 rows, or int8 rows with their row scales, with q8 activations (q8_cpu.h): the N tokens quantized
+// once, then every item's rows with every token. Items are sized as the weight-only kernel's
+// (streamed_item_rows) for any N: the rows are read as eight runs and meet 3 tokens at a time while
+// they are in L1. scale / ss as finish_row's (nullptr for int4 rows, whose scales are in their blocks).
+template <typename W>
+void dense_q8(const float* x, int64_t ldx, int64_t N, int64_t K, const W* w, int64_t ldw, int64_t M,
+              const float* bias, const float* scale, int64_t ss, float* out, int threads) {
   thread_local moebench_cpu::Q8Tokens tokens;  // the caller's thread quantizes; the pool's threads only read
   tokens.resize(N, K);
   std::vector<int64_t> order(static_cast<size_t>(N));
@@ -271,16 +273,17 @@ void dense_q4q8(const float* x, int64_t ldx, int64_t N, int64_t K, const moebenc
   }
   moebench_cpu::g_q8_activation_rows.fetch_add(N, std::memory_order_relaxed);
   const int64_t rows_per_item = moebench_cpu::streamed_item_rows(
-      ldw, kRowsPerItem, kMaxStreamedItemRows, threads, [M](int64_t r) { return (M + r - 1) / r; });
+      ldw * static_cast<int64_t>(sizeof(W)), kRowsPerItem, kMaxStreamedItemRows, threads,
+      [M](int64_t r) { return (M + r - 1) / r; });
   const int64_t items = (M + rows_per_item - 1) / rows_per_item;
   const moebench_cpu::Q8Tokens& q8 = tokens;
   parallel_for(items, threads, [&](int64_t i) {
     const int64_t r0 = i * rows_per_item, r1 = std::min(M, r0 + rows_per_item);
     thread_local std::vector<float> o;
     o.resize(static_cast<size_t>((r1 - r0) * N));
-    moebench_cpu::q4q8_dot_rows([&](int64_t r) { return w + (r0 + r) * ldw; }, r1 - r0, q8, order.data(), N, o.data());
+    moebench_cpu::q8_dot_rows([&](int64_t r) { return w + (r0 + r) * ldw; }, r1 - r0, q8, order.data(), N, o.data());
     for (int64_t r = 0; r < r1 - r0; ++r)
-      for (int64_t t = 0; t < N; ++t) out[t * M + r0 + r] = o[r * N + t] + (bias != nullptr ? bias[r0 + r] : 0.0f);
+      for (int64_t t = 0; t < N; ++t) out[t * M + r0 + r] = finish_row(o[r * N + t], scale, ss, bias, r0 + r);
   });
 }
 
@@ -332,22 +335,33 @@ void dense_linear_into(const float* xp, int64_t ldx, int64_t N, int64_t K, const
   switch (w.scalar_type()) {
     case torch::kFloat32: run(w.data_ptr<float>(), nullptr); break;
     case torch::kBFloat16: run(w.data_ptr<at::BFloat16>(), nullptr); break;
-    case torch::kChar:
+    case torch::kChar: {
+      const float* scale = sp;
+      int64_t ss = 1;
       if (sp == nullptr) {  // rows that carry their scale: row r's is the float after its K values
         TORCH_CHECK(packed_int8(w, K), "dense_linear_into: int8 weights need a row scale or rows of K + ",
                     moebench_cpu::kPackedExtra, " bytes");
-        run(w.data_ptr<int8_t>(), reinterpret_cast<const float*>(w.data_ptr<int8_t>() + K), ldw / 4);
-      } else {
-        run(w.data_ptr<int8_t>(), sp);
+        scale = reinterpret_cast<const float*>(w.data_ptr<int8_t>() + K);
+        ss = ldw / 4;
       }
+      if (moebench_cpu::q8_activations()) {
+        if (K % moebench_cpu::kQ4Values == 0) {
+          dense_q8(xp, ldx, N, K, w.data_ptr<int8_t>(), ldw, M, bp, scale, ss, op, threads);
+          break;
+        }
+        TORCH_WARN_ONCE("moebench: q8 ACTIVATIONS NOT APPLIED: int8 rows of ", K, " values (not whole blocks of ",
+                        moebench_cpu::kQ4Values, ") meet float32 activations");
+      }
+      run(w.data_ptr<int8_t>(), scale, ss);
       break;
+    }
     case torch::kFloat8_e4m3fn: run(w.data_ptr<c10::Float8_e4m3fn>(), sp); break;
     case torch::kByte:  // int4 rows, Q4_0 blocks (int4_cpu.h): the scales are in the blocks
       TORCH_CHECK(K % moebench_cpu::kQ4Values == 0 && w.size(1) == moebench_cpu::q4_row_bytes(K),
                   "dense_linear_into: int4 rows must be whole Q4_0 blocks, ", moebench_cpu::q4_row_bytes(K), " bytes");
       if (moebench_cpu::q8_activations()) {
-        dense_q4q8(xp, ldx, N, K, reinterpret_cast<const moebench_cpu::Q4*>(w.data_ptr<uint8_t>()), ldw, M, bp, op,
-                   threads);
+        dense_q8(xp, ldx, N, K, reinterpret_cast<const moebench_cpu::Q4*>(w.data_ptr<uint8_t>()), ldw, M, bp, nullptr, 1,
+                 op, threads);
         break;
       }
       run(reinterpret_cast<const moebench_cpu::Q4*>(w.data_ptr<uint8_t>()), nullptr);

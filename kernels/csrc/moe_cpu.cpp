@@ -238,10 +238,15 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   const int64_t nb_gu = (I + gate_up_block - 1) / gate_up_block;
   const int64_t nb_dn = (H + down_block - 1) / down_block;
 
-  // int4 experts with q8 activations (q8_cpu.h, approximate): the tokens quantized once here, each
+  // int4 experts, or int8 experts with their row scales, with q8 activations (q8_cpu.h, approximate):
+  // the tokens quantized once here, each
   // pair's intermediate row once between the phases; every expert's rows meet them 3 at a time
-  constexpr bool kQ4 = std::is_same_v<W, moebench_cpu::Q4>;
-  const bool q8 = kQ4 && moebench_cpu::q8_activations();
+  constexpr bool kQ8Rows = std::is_same_v<W, moebench_cpu::Q4> || std::is_same_v<W, int8_t>;
+  const bool q8 = kQ8Rows && moebench_cpu::q8_activations() && H % moebench_cpu::kQ4Values == 0 &&
+                  I % moebench_cpu::kQ4Values == 0;
+  if (kQ8Rows && moebench_cpu::q8_activations() && !q8)
+    TORCH_WARN_ONCE("moebench: q8 ACTIVATIONS NOT APPLIED: experts of ", H, " x ", I, " values (not whole blocks of ",
+                    moebench_cpu::kQ4Values, ") meet float32 activations");
   moebench_cpu::Q8Tokens xq8, hq8;
   std::vector<int64_t> seq;
   if (q8) {
@@ -261,15 +266,16 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const W* we = w13 + e * s13e;
     const float* const* xs = xrow.data() + q0;
     float* hb = hbuf.get() + q0 * I;
-    if constexpr (kQ4) {
+    if constexpr (kQ8Rows) {
       if (q8) {
         const int64_t m = j1 - j0;
         thread_local std::vector<float> o;
         o.resize(static_cast<size_t>(2 * m * n));
         auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
-        moebench_cpu::q4q8_dot_rows(row, 2 * m, xq8, tok.data() + q0, n, o.data());
+        moebench_cpu::q8_dot_rows(row, 2 * m, xq8, tok.data() + q0, n, o.data());
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t jj = 0; jj < m; ++jj) hb[t * I + j0 + jj] = silu(o[jj * n + t]) * o[(m + jj) * n + t];
+          for (int64_t jj = 0; jj < m; ++jj)
+            hb[t * I + j0 + jj] = silu(scaled(o[jj * n + t], row(jj), H)) * scaled(o[(m + jj) * n + t], row(m + jj), H);
         return;
       }
     }
@@ -320,16 +326,16 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const float* const* hs = hrow.data() + q0;
     const int64_t* pr = pair.data() + q0;
     const float* wq = wgt.data() + q0;
-    if constexpr (kQ4) {
+    if constexpr (kQ8Rows) {
       if (q8) {
         const int64_t m = r1 - r0;
         thread_local std::vector<float> o;
         o.resize(static_cast<size_t>(m * n));
-        moebench_cpu::q4q8_dot_rows([&](int64_t i) { return we + (r0 + i) * s2r; }, m, hq8, seq.data() + q0, n, o.data());
+        moebench_cpu::q8_dot_rows([&](int64_t i) { return we + (r0 + i) * s2r; }, m, hq8, seq.data() + q0, n, o.data());
         for (int64_t t = 0; t < n; ++t) {
           float* dst = ob + pr[t] * H + r0;
           const float sw = wq[t];
-          for (int64_t i = 0; i < m; ++i) dst[i] = sw * o[i * n + t];
+          for (int64_t i = 0; i < m; ++i) dst[i] = sw * scaled(o[i * n + t], we + (r0 + i) * s2r, I);
         }
         return;
       }

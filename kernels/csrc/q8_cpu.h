@@ -1,8 +1,9 @@
 // Activations quantized to 8 bits per block of 32 values (the activations override "q8", issue 47,
-// docs/int4.md): an APPROXIMATION, off unless asked for, applied to int4 weights only. It is what
-// llama.cpp does for its Q4_0 dot products (Q8_0 activations): the int4 x int8 products are summed in
-// integers, and only one float multiply-add per block is left, where the weight-only kernels
-// (int4_cpu.h) widen every weight to float32 and spend an FMA per weight on it.
+// docs/int4.md): an APPROXIMATION, off unless asked for, applied to int4 rows and to int8 rows that
+// carry a row scale (--weights int8, an int8 LM head). It is what llama.cpp does for its Q4_0 and Q8_0
+// dot products (Q8_0 activations): the weight x activation products are summed in integers, and only
+// one float multiply-add per block is left, where the weight-only kernels (int4_cpu.h, cpu_common.h)
+// widen every weight to float32 and spend an FMA per weight on it.
 //
 // A token's row of K values (K a multiple of 32) is quantized once per op (q8_quantize_row): per
 // block b, amax = max |x|, d = amax / 127, q = round-half-even(x * (127 / amax)) (0 where amax is 0),
@@ -28,12 +29,13 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace moebench_cpu {
 
-// Whether int4 weights meet q8 activations in this process (set_activations, pool.cpp; the
-// activations override), and the rows counted where the q8 kernels ran: weight rows dotted with q8
+// Whether int4 and int8 weights meet q8 activations in this process (set_activations, dense_cpu.cpp;
+// the activations override), and the rows counted where the q8 kernels ran: weight rows dotted with q8
 // tokens, activation rows quantized (simd_stats: the evidence that the switch did something).
 bool q8_activations();
 extern std::atomic<int64_t> g_q8_weight_rows;
@@ -154,8 +156,49 @@ MOEBENCH_Q4_TARGET void q4q8_dot8(const Q4* const* w, const int8_t* const* xq, c
   }
 }
 
+// int8 rows (row-scaled: the scale is the caller's, applied to the sum): the same eight-row shape. maddubs
+// needs one unsigned operand, so it takes |w| and q with w's sign (llama.cpp's AVX2 Q8_0 trick): |w| <=
+// 128 and |q| <= 127 keep each pair's sum in an int16 (32512), exact. A lane's 4 products can reach
+// 65024, past an int16, so the eight rows' lanes are reduced with hadds in int32 instead of packs.
+// Per block in order acc = acc + float(i_b) * d_x: the sum then goes through the row's scale like the
+// weight-only kernel's (kernels/reference.py: i8_q8_dot_reference).
+MOEBENCH_Q4_TARGET inline __m256i i8q8_row_sums8(const __m256i (&m)[8]) {
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(m[4], m[5]), _mm256_hadd_epi32(m[6], m[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
 template <int T>
-inline void q4q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
+MOEBENCH_Q4_TARGET void i8q8_dot8(const int8_t* const* w, const int8_t* const* xq, const float* const* xd, int64_t K,
+                                  float* o) {
+  constexpr int R = 8;
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0, b = 0; k < K; k += kQ4Values, ++b) {
+    __m256i wv[R], magnitude[R];
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+      magnitude[r] = _mm256_abs_epi8(wv[r]);
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + k));
+      __m256i m[R];
+      for (int r = 0; r < R; ++r)
+        m[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], _mm256_sign_epi8(x, wv[r])), ones);
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(i8q8_row_sums8(m)), _mm256_set1_ps(xd[t][b])));
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    alignas(32) float lanes[R];
+    _mm256_store_ps(lanes, acc[t]);
+    for (int r = 0; r < R; ++r) o[r * T + t] = lanes[r];
+  }
+}
+
+template <int T>
+inline void q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
   const int8_t* xq[T];
   const float* xd[T];
   const int32_t* xoff[T];
@@ -167,41 +210,55 @@ inline void q4q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_
   q4q8_dot8<T>(w, xq, xd, xoff, x.K(), o);
 }
 
-// Eight rows with every token, 3 tokens at a time while the rows stay in L1: os[r * m + t - t0].
-template <typename Put>
-inline void q4q8_dot8_group(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, int64_t n, Put&& put) {
+template <int T>
+inline void q8_dot8_tokens(const int8_t* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
+  const int8_t* xq[T];
+  const float* xd[T];
+  for (int t = 0; t < T; ++t) {
+    xq[t] = x.q(tokens[t]);
+    xd[t] = x.d(tokens[t]);
+  }
+  i8q8_dot8<T>(w, xq, xd, x.K(), o);
+}
+
+// Eight rows (int4 or int8) with every token, 3 tokens at a time while the rows stay in L1:
+// put(t0, m, os) with os[r * m + t - t0].
+template <typename W, typename Put>
+inline void q8_dot8_group(const W* const* w, const Q8Tokens& x, const int64_t* tokens, int64_t n, Put&& put) {
   float os[8 * 3];
   for (int64_t t0 = 0; t0 < n; t0 += 3) {
     const int64_t m = std::min<int64_t>(3, n - t0);
-    if (m == 1) q4q8_dot8_tokens<1>(w, x, tokens + t0, os);
-    else if (m == 2) q4q8_dot8_tokens<2>(w, x, tokens + t0, os);
-    else q4q8_dot8_tokens<3>(w, x, tokens + t0, os);
+    if (m == 1) q8_dot8_tokens<1>(w, x, tokens + t0, os);
+    else if (m == 2) q8_dot8_tokens<2>(w, x, tokens + t0, os);
+    else q8_dot8_tokens<3>(w, x, tokens + t0, os);
     put(t0, m, os);
   }
 }
 
-// o[i * n + t] = dot(row(i), token tokens[t]) for rows i in [0, rows) and n tokens (rows of x). The
-// rows are read as eight runs side by side, as dot_rows_streamed reads its runs (cpu_common.h), the
-// i-th row of each run with every token; the rows left over (fewer than 8) go as one group whose
-// missing rows repeat the last one, their sums dropped.
+// o[i * n + t] = dot(row(i), token tokens[t]) for rows i in [0, rows) and n tokens (rows of x); `row`
+// returns a `const Q4*` or a `const int8_t*` (an int8 row's sum is not scaled here). The rows are read
+// as eight runs side by side, as dot_rows_streamed reads its runs (cpu_common.h), the i-th row of each
+// run with every token; the rows left over (fewer than 8) go as one group whose missing rows repeat
+// the last one, their sums dropped.
 template <typename Row>
-inline void q4q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
+inline void q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
+  using W = std::remove_const_t<std::remove_pointer_t<decltype(row(0))>>;
   constexpr int R = 8;
   const int64_t q = rows / R;
   g_q8_weight_rows.fetch_add(rows, std::memory_order_relaxed);
   for (int64_t i = 0; i < q; ++i) {
-    const Q4* w[R];
+    const W* w[R];
     for (int r = 0; r < R; ++r) w[r] = row(r * q + i);
-    q4q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
+    q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
       for (int r = 0; r < R; ++r)
         for (int64_t t = 0; t < m; ++t) o[(r * q + i) * n + t0 + t] = os[r * m + t];
     });
   }
   const int64_t left = rows - R * q;
   if (left == 0) return;
-  const Q4* w[R];
+  const W* w[R];
   for (int r = 0; r < R; ++r) w[r] = row(R * q + std::min<int64_t>(r, left - 1));
-  q4q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
+  q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
     for (int64_t r = 0; r < left; ++r)
       for (int64_t t = 0; t < m; ++t) o[(R * q + r) * n + t0 + t] = os[r * m + t];
   });
