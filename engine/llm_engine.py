@@ -510,5 +510,5 @@ class EngineSession:
         if rt.overrides.activations != "f32":
             from moebench.engine.weight_evidence import activations_errors
 
-            errors += activations_errors(rt.overrides.activations, evidence.get("decode_path"))
+            errors += activations_errors(rt.overrides.activations, evidence.get("decode_path"), rt)
         return errors

@@ -91,13 +91,34 @@ def weights_errors(evidence: dict | None, experts_dtype: str | None = None, allo
     return errors
 
 
-def activations_errors(activations: str, runner_evidence: dict | None) -> list[str]:
-    """q8 activations asked for (an approximation): the kernels must have quantized some activation
-    rows, counted where they ran (the runner's streamed_dots), or the switch did nothing."""
-    if activations == "f32":
+def streams_q8_rows(runtime) -> bool:
+    """Whether a config streams rows the q8 kernels take (kernels/csrc/q8_cpu.h): int4 or int8 weights,
+    or an int8 LM head."""
+    return runtime.weights in ("int4", "int8") or runtime.lm_head == "int8"
+
+
+def activations_refusal(activations: str, runtimes) -> str | None:
+    """Why q8 activations cannot be asked for in a run of these configs' runtimes, or None: where no
+    config streams an int4 or int8 row, the switch would act on nothing."""
+    if activations == "f32" or any(streams_q8_rows(r) for r in runtimes):
+        return None
+    from moebench.engine.overrides import VARIABLES
+
+    return (f"{VARIABLES['activations']}={activations}: no config of this run streams int4 or int8 rows "
+            "(--weights int4 / int8, --lm-head int8), so the q8 kernels would act on nothing")
+
+
+def activations_errors(activations: str, runner_evidence: dict | None, runtime) -> list[str]:
+    """q8 activations asked for (an approximation): in a config that streams int4 or int8 rows, the
+    kernels must have quantized some activation rows, counted where they ran (the runner's
+    streamed_dots), or the switch did nothing. A config with none (an ablation's float baseline beside
+    its int4 config; activations_refusal keeps a run from having only such configs) has nothing for it
+    to meet, and its counts stay 0 in its evidence."""
+    if activations == "f32" or not streams_q8_rows(runtime):
         return []
     dots = (runner_evidence or {}).get("streamed_dots") or {}
     if dots.get("q8_activation_rows"):
         return []
     return [f"activations {activations}: no activation row was quantized in the kernels (streamed_dots: {dots}); "
-            "q8 applies to int4 weights in the C++ dense and fused MoE kernels (--weights int4, --kernel fused)"]
+            "q8 applies to int4 and int8 rows in the C++ kernels (--weights int4 / int8, --lm-head int8, "
+            "--kernel fused for the experts)"]

@@ -71,6 +71,11 @@ def serve_command(
                             expert_budget=_parse_budget(expert_budget or "1.0"),
                             offload_tier=resolve_tier(offload_tier, device), weights=weights,
                             overrides=Overrides.from_environment(os.environ))  # read once, here
+    from moebench.engine.weight_evidence import activations_refusal
+
+    refusal = activations_refusal(runtime.overrides.activations, [runtime])
+    if refusal:
+        raise MoebenchError(refusal)
     if threads is None and device == "cpu":
         threads = 1
     if max_model_len is not None and max_model_len < 2:

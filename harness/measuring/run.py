@@ -101,6 +101,11 @@ def start_run(args: RunArgs, out: Path, run_id: str | None, resume: Path | None)
         )
         base_runtime = _one_tier_for_every_config(base_runtime, configs)
         _check_decode_paths(args, base_runtime, configs)
+        from moebench.engine.weight_evidence import activations_refusal
+
+        refusal = activations_refusal(overrides.activations, [_runtime_for(base_runtime, c) for c in configs])
+        if refusal:
+            raise MoebenchError(refusal)
 
     # The run's folder is claimed before any work, so an unwritable --out or a taken --run-id is
     # one line now, not a traceback after the model loaded, and two runs never share a folder.

@@ -194,14 +194,28 @@ def test_q8_asked_for_where_no_kernel_quantizes_fails_the_activation_check(tmp_p
     from test_int4_weights import _generate, _tiny  # beside this file
 
     _, ckpt = _tiny(tmp_path)
-    try:  # float32 weights: no int4 row for q8 to meet, so the switch would do nothing
-        result = _generate(ckpt, kernel="fused", decode_path="chained", overrides=Overrides(activations="q8"))
+    try:  # int4 experts on the naive kernel (torch, float32 activations) and dense projections that
+        # stay in torch: int4 rows streamed and no activation row quantized, so the switch did nothing
+        result = _generate(ckpt, kernel="naive", decode_path="eager", weights="int4",
+                           overrides=Overrides(activations="q8", dense="torch", allow_fallback=True))
         assert any("activations q8: no activation row was quantized" in e for e in result.activation_errors), \
             result.activation_errors
-        plain = _generate(ckpt, kernel="fused", decode_path="chained")
-        assert not plain.activation_errors
+        # float32 weights: nothing for q8 to meet in this config (an ablation's baseline), so nothing to fail
+        float_config = _generate(ckpt, kernel="fused", decode_path="chained", overrides=Overrides(activations="q8"))
+        assert not float_config.activation_errors
     finally:
         ext.set_activations("f32")
+
+
+def test_a_run_whose_configs_stream_no_int_rows_is_refused_q8():
+    from moebench.engine import RuntimeConfig
+    from moebench.engine.weight_evidence import activations_refusal
+
+    floats, int4, head = RuntimeConfig(), RuntimeConfig(weights="int4"), RuntimeConfig(lm_head="int8")
+    assert "MOEBENCH_ACTIVATIONS=q8: no config of this run streams int4 or int8 rows" in \
+        activations_refusal("q8", [floats, floats])
+    assert activations_refusal("q8", [floats, int4]) is None and activations_refusal("q8", [head]) is None
+    assert activations_refusal("f32", [floats]) is None
 
 
 @needs_q8
