@@ -219,12 +219,10 @@ def quantize_q8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.reshape(*lead, k), d
 
 
-def q4_q8_dot_reference(q: Tensor, d: Tensor, w: Tensor) -> Tensor:
-    """[N, M] float32: quantized tokens (q [N, K] int8, d [N, K / 32], quantize_q8_rows) dotted with int4
-    rows w [M, K / 32 * 18] as the kernel sums them (kernels/csrc/q8_cpu.h: q4q8_dot8): per block in
-    order, its exact integer sum i, then acc = acc + float(i) * (d_w * d_x), each operation rounded on
-    its own; ggml's scalar vec_dot_q4_0_q8_0 order."""
-    values, dw = unpack_int4_rows(w)  # [M, K] int8 in [-8, 7], [M, K / 32]
+def _blockwise_q8(q: Tensor, d: Tensor, values: Tensor, dw: Tensor | None = None) -> Tensor:
+    """[N, M] float32: per block of 32 in order, the exact integer sum i of tokens q [N, K] with rows
+    values [M, K], then acc = acc + float(i) * scale, scale d_x (or d_w * d_x where the rows have block
+    scales dw [M, K / 32]), each operation rounded on its own."""
     n, k = q.shape
     m = values.shape[0]
     blocks = k // Q8_GROUP
@@ -233,9 +231,18 @@ def q4_q8_dot_reference(q: Tensor, d: Tensor, w: Tensor) -> Tensor:
     acc = torch.zeros(n, m, dtype=torch.float32)
     for b in range(blocks):
         isum = (wb[:, :, b] * xb[:, :, b]).sum(dim=-1)  # [N, M], exact
-        scale = dw[None, :, b] * d[:, None, b]  # [N, M] float32
+        scale = d[:, None, b] if dw is None else dw[None, :, b] * d[:, None, b]
         acc = acc + isum.float() * scale
     return acc
+
+
+def q4_q8_dot_reference(q: Tensor, d: Tensor, w: Tensor) -> Tensor:
+    """[N, M] float32: quantized tokens (q [N, K] int8, d [N, K / 32], quantize_q8_rows) dotted with int4
+    rows w [M, K / 32 * 18] as the kernel sums them (kernels/csrc/q8_cpu.h: q4q8_dot8): per block in
+    order, its exact integer sum i, then acc = acc + float(i) * (d_w * d_x), each operation rounded on
+    its own; ggml's scalar vec_dot_q4_0_q8_0 order."""
+    values, dw = unpack_int4_rows(w)  # [M, K] int8 in [-8, 7], [M, K / 32]
+    return _blockwise_q8(q, d, values, dw)
 
 
 def i8_q8_dot_reference(q: Tensor, d: Tensor, values: Tensor, scale: Tensor) -> Tensor:
@@ -243,15 +250,7 @@ def i8_q8_dot_reference(q: Tensor, d: Tensor, values: Tensor, scale: Tensor) -> 
     [M] float32) as the kernel sums them (kernels/csrc/q8_cpu.h: i8q8_dot8): per block in order, its
     exact integer sum i, then acc = acc + float(i) * d_x, each operation rounded on its own; then the
     row's scale, as the weight-only int8 kernels apply it."""
-    n, k = q.shape
-    m = values.shape[0]
-    blocks = k // Q8_GROUP
-    wb = values.to(torch.int32).reshape(1, m, blocks, Q8_GROUP)
-    xb = q.to(torch.int32).reshape(n, 1, blocks, Q8_GROUP)
-    acc = torch.zeros(n, m, dtype=torch.float32)
-    for b in range(blocks):
-        acc = acc + (wb[:, :, b] * xb[:, :, b]).sum(dim=-1).float() * d[:, None, b]
-    return acc * scale.float()[None, :]
+    return _blockwise_q8(q, d, values) * scale.float()[None, :]
 
 
 def q8_dot_reference(q: Tensor, d: Tensor, w: Tensor, scale: Tensor | None = None) -> Tensor:
