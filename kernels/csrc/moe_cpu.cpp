@@ -239,8 +239,8 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   const int64_t nb_dn = (H + down_block - 1) / down_block;
 
   // int4 experts, or int8 experts with their row scales, with q8 activations (q8_cpu.h, approximate):
-  // the tokens quantized once here, each
-  // pair's intermediate row once between the phases; every expert's rows meet them 3 at a time
+  // the tokens quantized once here, each pair's intermediate row once between the phases; every
+  // expert's rows meet them 3 at a time
   constexpr bool kQ8Rows = std::is_same_v<W, moebench_cpu::Q4> || std::is_same_v<W, int8_t>;
   const bool q8 = kQ8Rows && moebench_cpu::q8_activations() && H % moebench_cpu::kQ4Values == 0 &&
                   I % moebench_cpu::kQ4Values == 0;
