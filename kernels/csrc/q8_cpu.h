@@ -197,8 +197,10 @@ MOEBENCH_Q4_TARGET void i8q8_dot8(const int8_t* const* w, const int8_t* const* x
   }
 }
 
+// The functions below carry the kernels' target too, so that a whole item's groups inline into one
+// function: called from code built without F16C, each group of eight rows was a call of its own.
 template <int T>
-inline void q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
+MOEBENCH_Q4_TARGET inline void q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
   const int8_t* xq[T];
   const float* xd[T];
   const int32_t* xoff[T];
@@ -211,7 +213,7 @@ inline void q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t*
 }
 
 template <int T>
-inline void q8_dot8_tokens(const int8_t* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
+MOEBENCH_Q4_TARGET inline void q8_dot8_tokens(const int8_t* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
   const int8_t* xq[T];
   const float* xd[T];
   for (int t = 0; t < T; ++t) {
@@ -224,7 +226,7 @@ inline void q8_dot8_tokens(const int8_t* const* w, const Q8Tokens& x, const int6
 // Eight rows (int4 or int8) with every token, 3 tokens at a time while the rows stay in L1:
 // put(t0, m, os) with os[r * m + t - t0].
 template <typename W, typename Put>
-inline void q8_dot8_group(const W* const* w, const Q8Tokens& x, const int64_t* tokens, int64_t n, Put&& put) {
+MOEBENCH_Q4_TARGET inline void q8_dot8_group(const W* const* w, const Q8Tokens& x, const int64_t* tokens, int64_t n, Put&& put) {
   float os[8 * 3];
   for (int64_t t0 = 0; t0 < n; t0 += 3) {
     const int64_t m = std::min<int64_t>(3, n - t0);
@@ -241,7 +243,7 @@ inline void q8_dot8_group(const W* const* w, const Q8Tokens& x, const int64_t* t
 // run with every token; the rows left over (fewer than 8) go as one group whose missing rows repeat
 // the last one, their sums dropped.
 template <typename Row>
-inline void q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
+MOEBENCH_Q4_TARGET void q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
   using W = std::remove_const_t<std::remove_pointer_t<decltype(row(0))>>;
   constexpr int R = 8;
   const int64_t q = rows / R;
