@@ -262,3 +262,20 @@ def test_bench_engine_takes_q8_where_an_int4_or_int8_row_meets_it_and_refuses_it
         with pytest.raises(MoebenchError, match="only int4 and int8 rows have q8 kernels"):
             with_activations(Overrides(), "q8", "f32", lm_head)
     assert with_activations(Overrides(), None, "f32").activations == "f32"
+
+
+@pytest.mark.parametrize("command", [["run", "--limit", "3"], ["serve", "--port", "0"]])
+def test_q8_with_no_int_rows_is_one_line_before_anything_loads(tmp_path, command):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    args = command + (["--out", str(out)] if command[0] == "run" else [])
+    r = subprocess.run([sys.executable, "-m", "moebench", *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MOEBENCH_ACTIVATIONS": "q8"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "moebench: error: MOEBENCH_ACTIVATIONS=q8: no config of this run streams int4 or int8 rows")
+    assert "Traceback" not in r.stderr
+    assert not out.exists() or not any(out.iterdir())  # no run folder claimed
