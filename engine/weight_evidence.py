@@ -91,16 +91,16 @@ def weights_errors(evidence: dict | None, experts_dtype: str | None = None, allo
     return errors
 
 
-def streams_q8_rows(runtime) -> bool:
-    """Whether a config streams rows the q8 kernels take (kernels/csrc/q8_cpu.h): int4 or int8 weights,
-    or an int8 LM head."""
-    return runtime.weights in ("int4", "int8") or runtime.lm_head == "int8"
+def streams_q8_rows(weights: str, lm_head: str) -> bool:
+    """Whether a config of these --weights and --lm-head streams rows the q8 kernels take
+    (kernels/csrc/q8_cpu.h): int4 or int8 weights, or an int8 LM head."""
+    return weights in ("int4", "int8") or lm_head == "int8"
 
 
 def activations_refusal(activations: str, runtimes) -> str | None:
     """Why q8 activations cannot be asked for in a run of these configs' runtimes, or None: where no
     config streams an int4 or int8 row, the switch would act on nothing."""
-    if activations == "f32" or any(streams_q8_rows(r) for r in runtimes):
+    if activations == "f32" or any(streams_q8_rows(r.weights, r.lm_head) for r in runtimes):
         return None
     from moebench.engine.overrides import VARIABLES
 
@@ -114,7 +114,7 @@ def activations_errors(activations: str, runner_evidence: dict | None, runtime) 
     streamed_dots), or the switch did nothing. A config with none (an ablation's float baseline beside
     its int4 config; activations_refusal keeps a run from having only such configs) has nothing for it
     to meet, and its counts stay 0 in its evidence."""
-    if activations == "f32" or not streams_q8_rows(runtime):
+    if activations == "f32" or not streams_q8_rows(runtime.weights, runtime.lm_head):
         return []
     dots = (runner_evidence or {}).get("streamed_dots") or {}
     if dots.get("q8_activation_rows"):

@@ -1,7 +1,7 @@
 """bench-engine's `--activations` (the activations override, engine/overrides.py; kernels/csrc/q8_cpu.h):
-int4 and int8 weights (and an int8 LM head) meeting q8 activations, an approximation, asked for on the command line or by
-MOEBENCH_ACTIVATIONS, refused where it cannot apply, and required to show in the kernels' own counters
-(the runner's streamed_dots: q8_weight_rows) after every timed run."""
+int4 and int8 weights (and an int8 LM head) meeting q8 activations, an approximation, asked for on the
+command line or by MOEBENCH_ACTIVATIONS, refused where it cannot apply, and required to show in the
+kernels' own counters (the runner's streamed_dots: q8_weight_rows) after every timed run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def with_activations(overrides, activations: str | None, weights: str, lm_head: 
         raise MoebenchError(f"--activations {activations!r}: choose from f32, q8")
     if activations is not None:
         overrides = dataclasses.replace(overrides, activations=activations)
-    if overrides.activations != "f32" and weights not in ("int4", "int8") and lm_head != "int8":
+    from moebench.engine.weight_evidence import streams_q8_rows
+
+    if overrides.activations != "f32" and not streams_q8_rows(weights, lm_head):
         raise MoebenchError(f"--activations {overrides.activations} (MOEBENCH_ACTIVATIONS): only int4 and int8 rows "
                             "have q8 kernels; give --weights int4, --weights int8 or --lm-head int8")
     return overrides

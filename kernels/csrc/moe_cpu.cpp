@@ -242,9 +242,9 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
   // the tokens quantized once here, each pair's intermediate row once between the phases; every
   // expert's rows meet them 3 at a time
   constexpr bool kQ8Rows = std::is_same_v<W, moebench_cpu::Q4> || std::is_same_v<W, int8_t>;
-  const bool q8 = kQ8Rows && moebench_cpu::q8_activations() && H % moebench_cpu::kQ4Values == 0 &&
-                  I % moebench_cpu::kQ4Values == 0;
-  if (kQ8Rows && moebench_cpu::q8_activations() && !q8)
+  const bool q8_asked = kQ8Rows && moebench_cpu::q8_activations();
+  const bool q8 = q8_asked && H % moebench_cpu::kQ4Values == 0 && I % moebench_cpu::kQ4Values == 0;
+  if (q8_asked && !q8)
     TORCH_WARN_ONCE("moebench: q8 ACTIVATIONS NOT APPLIED: experts of ", H, " x ", I, " values (not whole blocks of ",
                     moebench_cpu::kQ4Values, ") meet float32 activations");
   moebench_cpu::Q8Tokens xq8, hq8;

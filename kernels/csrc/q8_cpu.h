@@ -199,8 +199,8 @@ MOEBENCH_Q4_TARGET void i8q8_dot8(const int8_t* const* w, const int8_t* const* x
 
 // The functions below carry the kernels' target too, so that a whole item's groups inline into one
 // function: called from code built without F16C, each group of eight rows was a call of its own.
-template <int T>
-MOEBENCH_Q4_TARGET inline void q8_dot8_tokens(const Q4* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
+template <int T, typename W>
+MOEBENCH_Q4_TARGET inline void q8_dot8_tokens(const W* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
   const int8_t* xq[T];
   const float* xd[T];
   const int32_t* xoff[T];
@@ -209,18 +209,8 @@ MOEBENCH_Q4_TARGET inline void q8_dot8_tokens(const Q4* const* w, const Q8Tokens
     xd[t] = x.d(tokens[t]);
     xoff[t] = x.offset(tokens[t]);
   }
-  q4q8_dot8<T>(w, xq, xd, xoff, x.K(), o);
-}
-
-template <int T>
-MOEBENCH_Q4_TARGET inline void q8_dot8_tokens(const int8_t* const* w, const Q8Tokens& x, const int64_t* tokens, float* o) {
-  const int8_t* xq[T];
-  const float* xd[T];
-  for (int t = 0; t < T; ++t) {
-    xq[t] = x.q(tokens[t]);
-    xd[t] = x.d(tokens[t]);
-  }
-  i8q8_dot8<T>(w, xq, xd, x.K(), o);
+  if constexpr (std::is_same_v<W, Q4>) q4q8_dot8<T>(w, xq, xd, xoff, x.K(), o);
+  else i8q8_dot8<T>(w, xq, xd, x.K(), o);  // int8 rows carry their sign into q: no offset
 }
 
 // Eight rows (int4 or int8) with every token, 3 tokens at a time while the rows stay in L1:
