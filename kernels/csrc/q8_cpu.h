@@ -101,11 +101,25 @@ inline void Q8Tokens::quantize(int64_t row, const float* x) {
   q8_quantize_row(x, K_, q_.data() + row * K_, d_.data() + row * (K_ / 32), offset_.data() + row * (K_ / 32));
 }
 
-// Eight rows' block scales (the float16 at offset `at` of each row) as float32 lanes 0-7.
+// Eight rows' block scales (the float16 at offset `at` of each row) as float32 lanes 0-7. Inserted
+// into a register one by one: eight 2-byte stores read back as one 16-byte load would stall on store
+// forwarding in every block.
 MOEBENCH_Q4_TARGET inline __m256 q4_scales8(const Q4* const* w, int64_t at) {
-  alignas(16) uint16_t h[8];
-  for (int r = 0; r < 8; ++r) std::memcpy(&h[r], w[r] + at, sizeof h[r]);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  __m128i h = _mm_setzero_si128();
+  auto scale = [&](int r) {
+    uint16_t v;
+    std::memcpy(&v, w[r] + at, sizeof v);
+    return static_cast<int>(v);
+  };
+  h = _mm_insert_epi16(h, scale(0), 0);
+  h = _mm_insert_epi16(h, scale(1), 1);
+  h = _mm_insert_epi16(h, scale(2), 2);
+  h = _mm_insert_epi16(h, scale(3), 3);
+  h = _mm_insert_epi16(h, scale(4), 4);
+  h = _mm_insert_epi16(h, scale(5), 5);
+  h = _mm_insert_epi16(h, scale(6), 6);
+  h = _mm_insert_epi16(h, scale(7), 7);
+  return _mm256_cvtph_ps(h);
 }
 
 // Lane r of the result: the sum of the eight int32 lanes of m[r]. Two levels of packs (int32 to int16,
