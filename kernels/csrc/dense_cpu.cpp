@@ -282,8 +282,10 @@ void dense_q8(const float* x, int64_t ldx, int64_t N, int64_t K, const W* w, int
     thread_local std::vector<float> o;
     o.resize(static_cast<size_t>((r1 - r0) * N));
     moebench_cpu::q8_dot_rows([&](int64_t r) { return w + (r0 + r) * ldw; }, r1 - r0, q8, order.data(), N, o.data());
-    for (int64_t r = 0; r < r1 - r0; ++r)
-      for (int64_t t = 0; t < N; ++t) out[t * M + r0 + r] = finish_row(o[r * N + t], scale, ss, bias, r0 + r);
+    // token by token: writing the N tokens' rows side by side, M floats apart, would put them all in one
+    // L1 set where M * 4 is a multiple of 4 KiB
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t r = 0; r < r1 - r0; ++r) out[t * M + r0 + r] = finish_row(o[r * N + t], scale, ss, bias, r0 + r);
   });
 }
 

@@ -1,0 +1,111 @@
+"""The q8 integer dot kernels (kernels/csrc/q8_cpu.h: int4 rows and row-scaled int8 rows against q8
+activations) in nanoseconds per block of 32 weights and token, through dense_linear at the 0.89B
+Qwen3-MoE's shapes, and what those rates leave of batch 16's roofline targets: the integer dots of one
+batch-16 step alone at the fastest rate measured, against the step time that 50% of a bench-engine run's
+roofline allows (--bench-json, one of docs/measurements/bench-engine-*.json with int weights).
+
+    flock /tmp/moebench-bench.lock python benchmarks/q8_kernel_rates.py --threads 1 2 \
+        --bench-json docs/measurements/bench-engine-int8-q8-vs-llamacpp-q8_0-avx2-quiet.json
+
+Shapes: K = 1024 (the LM head's 32000 rows, and every projection that reads the hidden state) and K = 256
+(an expert's down projection, 32768 rows here). Each figure is the fastest of --repeats calls: the rows
+stream from memory, and at 3+ tokens the kernel's arithmetic, not the bytes, sets the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+# the 0.89B Qwen3-MoE (harness/measuring/bench_models.py: DEFAULT_SHAPE)
+HIDDEN, LAYERS, EXPERTS_PER_TOKEN, EXPERT_WIDTH, VOCAB = 1024, 8, 8, 256, 32000
+QKV_ROWS, OUTPUT_ROWS = 1024 + 2 * 256, 1024
+BLOCK = 32
+
+
+def step_block_tokens(batch: int) -> dict[str, float]:
+    """Blocks of 32 weights times the tokens that meet them, in one decode step of `batch` tokens."""
+    experts = batch * EXPERTS_PER_TOKEN * LAYERS * 3 * EXPERT_WIDTH * HIDDEN / BLOCK
+    projections = batch * LAYERS * (QKV_ROWS + OUTPUT_ROWS) * HIDDEN / BLOCK
+    head = batch * VOCAB * HIDDEN / BLOCK
+    return {"experts": experts, "projections": projections, "lm_head": head}
+
+
+def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict[str, dict[int, float]]:
+    import torch
+
+    from moebench.engine.quantize import pack_int4_rows, pack_int8_rows
+    from moebench.kernels.cpu_moe import load_extension
+
+    ext = load_extension()
+    if ext is None or not hasattr(ext, "set_activations"):
+        raise SystemExit("q8_kernel_rates: the C++ extension did not build")
+    torch.set_num_threads(threads)
+    pack = {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
+    g = torch.Generator().manual_seed(0)
+    ext.set_activations("q8")
+    rates: dict[str, dict[int, float]] = {}
+    try:
+        with ext.StepThreads(True):
+            for rows, cols in ((VOCAB, HIDDEN), (32768, EXPERT_WIDTH)):
+                w = pack(torch.randn(rows, cols, generator=g))
+                rates[f"K={cols}"] = {}
+                for n in tokens:
+                    x = torch.randn(n, cols, generator=g)
+                    ext.dense_linear(x, w, None)
+                    best = float("inf")
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        ext.dense_linear(x, w, None)
+                        best = min(best, time.perf_counter() - start)
+                    rates[f"K={cols}"][n] = best * 1e9 / (rows * cols / BLOCK * n)
+    finally:
+        ext.set_activations("f32")
+    stats = ext.simd_stats()
+    if stats["q8_weight_rows"] == 0:
+        raise SystemExit("q8_kernel_rates: the q8 kernels did not run (q8_weight_rows is 0)")
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 16])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--bench-json", help="a bench-engine JSON: its batch-16 rows give the step's bytes and bandwidth")
+    args = parser.parse_args()
+
+    block_tokens = step_block_tokens(16)
+    budget = {}
+    if args.bench_json:
+        run = json.load(open(args.bench_json))
+        for row in run["rows"]:
+            if row["batch"] == 16:
+                budget[row["threads"]] = (row["bytes_per_step"] / (row["bandwidth_gb_s"] * 1e9) / 0.5 * 1e3,
+                                          run.get("weights"), run.get("lm_head"))
+
+    for threads in args.threads:
+        fastest = {}
+        for weights in ("int4", "int8"):
+            rates = measure(weights, args.tokens, threads, args.repeats)
+            for shape, by_tokens in rates.items():
+                cells = "  ".join(f"{n} tok {ns:.3f}" for n, ns in by_tokens.items())
+                print(f"{threads} thread(s), {weights} x q8, {shape}: ns per block and token (wall): {cells}")
+            fastest[weights] = min(ns for by_tokens in rates.values() for ns in by_tokens.values())
+        print(f"batch 16 at {threads} thread(s): {sum(block_tokens.values()) / 1e6:.1f} M block-token dots per step "
+              f"(experts {block_tokens['experts'] / 1e6:.1f}, projections {block_tokens['projections'] / 1e6:.1f}, "
+              f"LM head {block_tokens['lm_head'] / 1e6:.1f})")
+        for weights in ("int4", "int8"):
+            # an int4 run keeps an int8 LM head (bench-engine --lm-head int8): its head at int8's rate
+            head_rate = fastest["int8"]
+            floor_ms = ((block_tokens["experts"] + block_tokens["projections"]) * fastest[weights]
+                        + block_tokens["lm_head"] * head_rate) / 1e6
+            line = f"  {weights} weights, int8 head: the integer dots alone take >= {floor_ms:.1f} ms at the fastest rates"
+            if threads in budget and budget[threads][1] == weights:
+                line += f"; 50% of the run's roofline allows {budget[threads][0]:.1f} ms for the whole step"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
