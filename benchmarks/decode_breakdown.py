@@ -23,10 +23,8 @@ import argparse
 import glob
 import json
 import os
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -37,7 +35,7 @@ from moebench.engine import runner as runner_module
 from moebench.engine.config import DECODE_PATHS
 from moebench.engine.overrides import Overrides
 from moebench.kernels import cpu_dense
-from moebench.measuring.bench_models import benchmark_checkpoint
+from moebench.measuring.bench_models import scratch_checkpoint
 
 parts = defaultdict(float)
 timing = [False]  # only decode forwards are timed
@@ -153,7 +151,7 @@ def main() -> None:
     parser.add_argument("--decode-path", default="native", choices=DECODE_PATHS,
                         help="the runtime's decode path (--decode-path of run); native, as bench-engine runs it by default")
     args = parser.parse_args()
-    ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
+    ckpt = scratch_checkpoint(args.model, args.dtype)
     instrument()
     batches = [int(b) for b in args.batch.split(",")]
     g = torch.Generator().manual_seed(0)

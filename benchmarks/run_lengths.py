@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -47,13 +45,13 @@ def main() -> None:
     from moebench.engine import Engine, RuntimeConfig
     from moebench.engine.runner import build_forward_batch
     from moebench.kernels.cpu_moe import load_extension
-    from moebench.measuring.bench_models import benchmark_checkpoint
+    from moebench.measuring.bench_models import scratch_checkpoint
 
     ext = load_extension()
     if ext is None or not hasattr(ext, "set_stream_run_bytes"):
         raise SystemExit("run_lengths: needs the CPU extension")
     torch.set_num_threads(args.threads)
-    ckpt = benchmark_checkpoint(args.model, Path(tempfile.mkdtemp()), args.dtype)
+    ckpt = scratch_checkpoint(args.model, args.dtype)
     rt = RuntimeConfig(kernel="fused", decode_path="native", batch_size=args.batch, weights=args.weights)
     session = Engine(ckpt, None, rt).session(256)
     model, bs = session.model, rt.kv_block_size

@@ -3,6 +3,11 @@ shape, and what a benchmark script's --model names."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import signal
+import sys
+import tempfile
 from pathlib import Path
 
 DEFAULT_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
@@ -37,3 +42,14 @@ def benchmark_checkpoint(model: str, tmp: Path, dtype: str | None = None, layers
     else:
         path = Path(model)
     return load_checkpoint(path, experts_in_checkpoint_dtype=True)
+
+
+def scratch_checkpoint(model: str, dtype: str | None = None, layers: int | None = None):
+    """benchmark_checkpoint, written (for random-0.89b: 1.8-3.4 GB) to a temporary folder that is removed
+    when the process exits, also on the SIGTERM of `timeout`, which would otherwise end it before any
+    cleanup ran."""
+    folder = Path(tempfile.mkdtemp(prefix="moebench-checkpoint-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return benchmark_checkpoint(model, folder, dtype, layers)
