@@ -243,8 +243,8 @@ MOEBENCH_Q4_TARGET inline void q8_dot8_group(const W* const* w, const Q8Tokens& 
 
 // o[i * n + t] = dot(row(i), token tokens[t]) for rows i in [0, rows) and n tokens (rows of x); `row`
 // returns a `const Q4*` or a `const int8_t*` (an int8 row's sum is not scaled here). The rows are read
-// as eight runs side by side, as dot_rows_streamed reads its runs (cpu_common.h), the i-th row of each
-// run with every token; the rows left over (fewer than 8) go as one group whose missing rows repeat
+// as eight runs side by side, as dot_rows_streamed reads its runs (cpu_common.h), one row of each run
+// with every token; the rows left over (fewer than 8) go as one group whose missing rows repeat
 // the last one, their sums dropped.
 template <typename Row>
 MOEBENCH_Q4_TARGET void q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, const int64_t* tokens, int64_t n, float* o) {
@@ -253,11 +253,17 @@ MOEBENCH_Q4_TARGET void q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, co
   const int64_t q = rows / R;
   g_q8_weight_rows.fetch_add(rows, std::memory_order_relaxed);
   for (int64_t i = 0; i < q; ++i) {
+    // run r at its row (i + r) mod q: runs whose starts lie a multiple of 4 KiB apart (q * row bytes)
+    // would otherwise put the eight rows' lines of a block, and the tokens', in one L1 set
+    int64_t at[R];
     const W* w[R];
-    for (int r = 0; r < R; ++r) w[r] = row(r * q + i);
+    for (int r = 0; r < R; ++r) {
+      at[r] = r * q + (i + r) % q;
+      w[r] = row(at[r]);
+    }
     q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
       for (int r = 0; r < R; ++r)
-        for (int64_t t = 0; t < m; ++t) o[(r * q + i) * n + t0 + t] = os[r * m + t];
+        for (int64_t t = 0; t < m; ++t) o[at[r] * n + t0 + t] = os[r * m + t];
     });
   }
   const int64_t left = rows - R * q;
