@@ -173,14 +173,18 @@ MOEBENCH_Q4_TARGET void q4q8_dot8(const Q4* const* w, const int8_t* const* xq, c
 // int8 rows (row-scaled: the scale is the caller's, applied to the sum): the same eight-row shape. maddubs
 // needs one unsigned operand, so it takes |w| and q with w's sign (llama.cpp's AVX2 Q8_0 trick): |w| <=
 // 128 and |q| <= 127 keep each pair's sum in an int16 (32512), exact. A lane's 4 products can reach
-// 65024, past an int16, so the eight rows' lanes are reduced with hadds in int32 instead of packs.
+// 65024, past an int16, so the eight rows' lanes are reduced in int32 instead of packs: by unpacks and
+// adds (a transpose), not hadds, which issue one per two cycles on Zen 3 (benchmarks/instruction_rates.cpp).
 // Per block in order acc = acc + float(i_b) * d_x: the sum then goes through the row's scale like the
 // weight-only kernel's (kernels/reference.py: i8_q8_dot_reference).
 MOEBENCH_Q4_TARGET inline __m256i i8q8_row_sums8(const __m256i (&m)[8]) {
-  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
-  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(m[4], m[5]), _mm256_hadd_epi32(m[6], m[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+  // two rows' lanes pairwise, then four rows': per 128-bit half, lane j holds row j's (of 4) half-sum
+  auto two = [](__m256i a, __m256i b) { return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b)); };
+  auto four = [](__m256i a, __m256i b) { return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)); };
+  const __m256i s0123 = four(two(m[0], m[1]), two(m[2], m[3]));
+  const __m256i s4567 = four(two(m[4], m[5]), two(m[6], m[7]));
+  // lanes 0-3: rows 0-3's halves added; lanes 4-7: rows 4-7's
+  return _mm256_add_epi32(_mm256_blend_epi32(s0123, s4567, 0xF0), _mm256_permute2x128_si256(s0123, s4567, 0x21));
 }
 
 template <int T>
