@@ -257,17 +257,17 @@ MOEBENCH_Q4_TARGET void q8_dot_rows(Row row, int64_t rows, const Q8Tokens& x, co
   const int64_t q = rows / R;
   g_q8_weight_rows.fetch_add(rows, std::memory_order_relaxed);
   for (int64_t i = 0; i < q; ++i) {
-    // run r at its row (i + r) mod q: runs whose starts lie a multiple of 4 KiB apart (q * row bytes)
-    // would otherwise put the eight rows' lines of a block, and the tokens', in one L1 set
-    int64_t at[R];
+    // run r at its row (i + r) mod q in step i: runs whose starts lie a multiple of 4 KiB apart (q * row
+    // bytes) would otherwise put the eight rows' lines of a block, and the tokens', in one L1 set
+    auto at = [&](int r) {
+      const int64_t j = i + r;
+      return r * q + (j < q ? j : j - q < q ? j - q : j % q);
+    };
     const W* w[R];
-    for (int r = 0; r < R; ++r) {
-      at[r] = r * q + (i + r) % q;
-      w[r] = row(at[r]);
-    }
+    for (int r = 0; r < R; ++r) w[r] = row(at(r));
     q8_dot8_group(w, x, tokens, n, [&](int64_t t0, int64_t m, const float* os) {
       for (int r = 0; r < R; ++r)
-        for (int64_t t = 0; t < m; ++t) o[at[r] * n + t0 + t] = os[r * m + t];
+        for (int64_t t = 0; t < m; ++t) o[at(r) * n + t0 + t] = os[r * m + t];
     });
   }
   const int64_t left = rows - R * q;
