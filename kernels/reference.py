@@ -272,8 +272,8 @@ def q8_linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None, scale:
 def moe_q8_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """The fused MoE kernel with int4 experts (or int8 experts with their row scales) and q8 activations:
     each token quantized once, each (token, rank) pair's silu(gate) * up row quantized once, the dots as
-    q8_dot_reference, the
-    routed weight times each down row, and each token's k rows added in rank order (moe_reference's)."""
+    q8_dot_reference, the routed weight times each down row, and each token's k rows added in rank order
+    (moe_reference's)."""
     n, k = topk_ids.shape
     inter = w13.shape[1] // 2
     xq, xd = quantize_q8_rows(x)

@@ -266,27 +266,27 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const W* we = w13 + e * s13e;
     const float* const* xs = xrow.data() + q0;
     float* hb = hbuf.get() + q0 * I;
+    // the block's m gate rows, then its m up rows, as one run of 2m rows; o[i * n + t] their dots
+    const int64_t m = j1 - j0;
+    auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
+    auto silu_gate_times_up = [&](const float* o) {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t jj = 0; jj < m; ++jj)
+          hb[t * I + j0 + jj] = silu(scaled(o[jj * n + t], row(jj), H)) * scaled(o[(m + jj) * n + t], row(m + jj), H);
+    };
     if constexpr (kQ8Rows) {
       if (q8) {
-        const int64_t m = j1 - j0;
         thread_local std::vector<float> o;
         o.resize(static_cast<size_t>(2 * m * n));
-        auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
         moebench_cpu::q8_dot_rows(row, 2 * m, xq8, tok.data() + q0, n, o.data());
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t jj = 0; jj < m; ++jj)
-            hb[t * I + j0 + jj] = silu(scaled(o[jj * n + t], row(jj), H)) * scaled(o[(m + jj) * n + t], row(m + jj), H);
+        silu_gate_times_up(o.data());
         return;
       }
     }
     if (n <= 3) {  // the block's gate rows and up rows read as streams (cpu_common.h)
-      const int64_t m = j1 - j0;
       float o[2 * kMaxGateUpBlock * 3];
-      auto row = [&](int64_t i) { return we + (i < m ? j0 + i : I + j0 + i - m) * s13r; };
       dot_rows_streamed<RowSum::kMoe, W>(row, 2 * m, n, xs, H, o);
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t jj = 0; jj < m; ++jj)
-          hb[t * I + j0 + jj] = silu(scaled(o[jj * n + t], row(jj), H)) * scaled(o[(m + jj) * n + t], row(m + jj), H);
+      silu_gate_times_up(o);
       return;
     }
     moebench_cpu::count_tiled_rows(8 * ((j1 - j0) / 4));  // the rows rows8_tokens reads
@@ -326,29 +326,29 @@ void moe_forward(const float* x, int64_t ldx, const float* topk_w, const int64_t
     const float* const* hs = hrow.data() + q0;
     const int64_t* pr = pair.data() + q0;
     const float* wq = wgt.data() + q0;
+    // the block's m rows; o[i * n + t] their dots, times each pair's routed weight into its output row
+    const int64_t m = r1 - r0;
+    auto row = [&](int64_t i) { return we + (r0 + i) * s2r; };
+    auto routed_rows = [&](const float* o) {
+      for (int64_t t = 0; t < n; ++t) {
+        float* dst = ob + pr[t] * H + r0;
+        const float sw = wq[t];
+        for (int64_t i = 0; i < m; ++i) dst[i] = sw * scaled(o[i * n + t], row(i), I);
+      }
+    };
     if constexpr (kQ8Rows) {
       if (q8) {
-        const int64_t m = r1 - r0;
         thread_local std::vector<float> o;
         o.resize(static_cast<size_t>(m * n));
-        moebench_cpu::q8_dot_rows([&](int64_t i) { return we + (r0 + i) * s2r; }, m, hq8, seq.data() + q0, n, o.data());
-        for (int64_t t = 0; t < n; ++t) {
-          float* dst = ob + pr[t] * H + r0;
-          const float sw = wq[t];
-          for (int64_t i = 0; i < m; ++i) dst[i] = sw * scaled(o[i * n + t], we + (r0 + i) * s2r, I);
-        }
+        moebench_cpu::q8_dot_rows(row, m, hq8, seq.data() + q0, n, o.data());
+        routed_rows(o.data());
         return;
       }
     }
     if (n <= 3) {  // the block's rows read as streams (cpu_common.h)
-      const int64_t m = r1 - r0;
       float o[kMaxDownBlock * 3];
-      dot_rows_streamed<RowSum::kMoe, W>([&](int64_t i) { return we + (r0 + i) * s2r; }, m, n, hs, I, o);
-      for (int64_t t = 0; t < n; ++t) {
-        float* dst = ob + pr[t] * H + r0;
-        const float sw = wq[t];
-        for (int64_t i = 0; i < m; ++i) dst[i] = sw * scaled(o[i * n + t], we + (r0 + i) * s2r, I);
-      }
+      dot_rows_streamed<RowSum::kMoe, W>(row, m, n, hs, I, o);
+      routed_rows(o);
       return;
     }
     moebench_cpu::count_tiled_rows(8 * ((r1 - r0) / 8));  // the rows rows8_tokens reads
