@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 # the 0.89B Qwen3-MoE (harness/measuring/bench_models.py: DEFAULT_SHAPE)
 HIDDEN, LAYERS, EXPERTS_PER_TOKEN, EXPERT_WIDTH, VOCAB = 1024, 8, 8, 256, 32000
@@ -77,13 +78,14 @@ def main() -> None:
     args = parser.parse_args()
 
     block_tokens = step_block_tokens(16)
-    budget = {}
+    budget_ms = {}  # threads -> the step time 50% of the run's roofline allows, for the run's --weights
+    run_weights = None
     if args.bench_json:
-        run = json.load(open(args.bench_json))
+        run = json.loads(Path(args.bench_json).read_text())
+        run_weights = run.get("weights")
         for row in run["rows"]:
             if row["batch"] == 16:
-                budget[row["threads"]] = (row["bytes_per_step"] / (row["bandwidth_gb_s"] * 1e9) / 0.5 * 1e3,
-                                          run.get("weights"), run.get("lm_head"))
+                budget_ms[row["threads"]] = row["bytes_per_step"] / (row["bandwidth_gb_s"] * 1e9) / 0.5 * 1e3
 
     for threads in args.threads:
         fastest = {}
@@ -102,8 +104,8 @@ def main() -> None:
             floor_ms = ((block_tokens["experts"] + block_tokens["projections"]) * fastest[weights]
                         + block_tokens["lm_head"] * head_rate) / 1e6
             line = f"  {weights} weights, int8 head: the integer dots alone take >= {floor_ms:.1f} ms at the fastest rates"
-            if threads in budget and budget[threads][1] == weights:
-                line += f"; 50% of the run's roofline allows {budget[threads][0]:.1f} ms for the whole step"
+            if threads in budget_ms and run_weights == weights:
+                line += f"; 50% of the run's roofline allows {budget_ms[threads]:.1f} ms for the whole step"
             print(line)
 
 
