@@ -45,6 +45,7 @@ def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict
     torch.set_num_threads(threads)
     pack = {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
     g = torch.Generator().manual_seed(0)
+    found = ext.activations()
     ext.set_activations("q8")
     rates: dict[str, dict[int, float]] = {}
     try:
@@ -62,7 +63,7 @@ def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict
                         best = min(best, time.perf_counter() - start)
                     rates[f"K={cols}"][n] = best * 1e9 / (rows * cols / BLOCK * n)
     finally:
-        ext.set_activations("f32")
+        ext.set_activations(found)
     stats = ext.simd_stats()
     if stats["q8_weight_rows"] == 0:
         raise SystemExit("q8_kernel_rates: the q8 kernels did not run (q8_weight_rows is 0)")

@@ -22,12 +22,13 @@ def test_rates_and_the_batch_16_budget_of_a_run(monkeypatch, capsys):
     if ext is None or not hasattr(ext, "set_activations"):
         pytest.skip("the C++ extension is not available here")
     before = ext.simd_stats()["q8_weight_rows"]
+    found = ext.activations()
     monkeypatch.setattr(sys, "argv", ["q8_kernel_rates.py", "--threads", "1", "--tokens", "3", "--repeats", "1",
                                       "--bench-json", str(RUN)])
     load_benchmark("q8_kernel_rates").main()
     out = capsys.readouterr().out
     assert ext.simd_stats()["q8_weight_rows"] > before
-    assert ext.activations() == "f32"
+    assert ext.activations() == found
     for weights in ("int4", "int8"):
         for k in (1024, 256):
             assert re.search(rf"{weights} x q8, K={k}: ns per block and token \(wall\): 3 tok \d+\.\d{{3}}", out)
