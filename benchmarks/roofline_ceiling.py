@@ -8,23 +8,28 @@ about as long as a run, a probe, then the bundled runtime (the rate from a 64-to
 1-token run, as bench-engine), a probe; each is scored against the better probe beside it. The
 stream's fraction is the most any engine could score in those minutes.
 
-    flock /tmp/moebench-bench.lock python benchmarks/roofline_ceiling.py --model DIR --threads 2 --batch 1
+    flock /tmp/moebench-bench.lock python benchmarks/roofline_ceiling.py --model random-0.89b --dtype bf16 \
+        --threads 1 --batch 1 --weights int8 --lm-head int8
 
-DIR: a qwen3_moe checkpoint (e.g. moebench.models.random.make_random_qwen3_moe(DIR,
-moebench.measuring.bench_engine.DEFAULT_SHAPE, pad_token_id=0)).
+--model: `random-0.89b` (the model bench-engine measures, written to a temporary folder), `bundled` or a
+qwen3_moe checkpoint folder. --weights and --lm-head as bench-engine's; MOEBENCH_ACTIVATIONS=q8 in the
+environment as its --activations q8. The stream reads one step's bytes in the engine's precision.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
-from moebench.measuring.bench_engine import decode_bytes_per_step, decode_rate
-from moebench.engine import Engine, Request, RuntimeConfig, load_checkpoint, memory
+from moebench.engine import Engine, Request, RuntimeConfig, memory
+from moebench.engine.overrides import Overrides
 from moebench.kernels.cpu_moe import load_extension
+from moebench.measuring.bench_engine import collect_garbage_before_timing, decode_bytes_per_step, decode_rate
+from moebench.measuring.bench_models import scratch_checkpoint
 from moebench.measuring.machine import read_bandwidth_by_reader
 
 
@@ -36,26 +41,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="for --model random-0.89b")
+    parser.add_argument("--weights", default="f32", help="f32, int8 or int4 (bench-engine's --weights)")
+    parser.add_argument("--lm-head", default="f32", help="f32, bf16, int8 or fp8 (bench-engine's --lm-head)")
     args = parser.parse_args()
     ext = load_extension()
     if ext is None:
         raise SystemExit("the CPU extension is not built: nothing streams as the engine does")
-    ckpt = load_checkpoint(args.model)
+    ckpt = scratch_checkpoint(args.model, args.dtype)
+    overrides = Overrides.from_environment(os.environ)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, ckpt.config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
 
+    # one engine for every run, as bench-engine keeps one: its setup (quantizing --weights) is not timed
+    bundled = Engine(ckpt, None, RuntimeConfig(kernel="fused", scheduler="static", batch_size=args.batch,
+                                               max_new_tokens=args.new_tokens, weights=args.weights,
+                                               lm_head=args.lm_head, overrides=overrides))
+
     def engine(new_tokens: int):
-        runtime = RuntimeConfig(kernel="fused", scheduler="static", batch_size=args.batch, max_new_tokens=new_tokens)
+        collect_garbage_before_timing()
         start = time.perf_counter()
-        result = Engine(ckpt, None, runtime).generate(
-            [Request(f"r{i}", "", new_tokens) for i in range(args.batch)], prompt_ids=prompts)
+        result = bundled.generate([Request(f"r{i}", "", new_tokens) for i in range(args.batch)], prompt_ids=prompts)
         return time.perf_counter() - start, result
 
     _, first = engine(2)
     step_bytes = decode_bytes_per_step(first.steps)
-    buffer = memory.empty((int(step_bytes) // 4 // (1 << 18) * (1 << 18),), torch.float32)
+    # whole items of read_in_runs (1 MB), at least one
+    buffer = memory.empty((max(1, int(step_bytes) // 4 // (1 << 18)) * (1 << 18),), torch.float32)
     buffer.fill_(1.0)
+    print(f"{step_bytes / 1e6:.1f} MB per decode step ({args.weights} weights, {args.lm_head} LM head); "
+          f"the stream reads {buffer.numel() * 4 / 1e6:.1f} MB per pass", flush=True)
 
     def stream(seconds: float) -> float:
         """GB/s of read_in_runs looping over the buffer for about `seconds`, on the run's threads."""

@@ -1,0 +1,36 @@
+"""benchmarks/roofline_ceiling.py end to end on a tiny checkpoint: one round, in a process of its own. The
+engine it scores runs with the --weights it is given, and the pure stream reads that engine's step bytes
+(int4 rows and their scales: well under half of float32's)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from moebench.kernels.cpu_moe import load_extension
+from repo_paths import REPO
+from tiny_models import make_tiny_int4_checkpoint
+
+
+def _ceiling(model, *extra) -> tuple[str, float]:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline_ceiling.py"), "--model", str(model),
+                           "--threads", "1", "--rounds", "1", "--prompt-len", "8", "--new-tokens", "6", *extra],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    step = re.search(r"([\d.]+) MB per decode step", done.stdout)
+    assert step, done.stdout
+    return done.stdout, float(step.group(1))
+
+
+def test_the_stream_reads_the_step_bytes_of_the_engine_it_scores(tmp_path):
+    if load_extension() is None:
+        pytest.skip("the C++ extension is not available here")
+    model = make_tiny_int4_checkpoint(tmp_path / "model")
+    text, f32 = _ceiling(model)
+    assert "pure stream" in text and "median over 1 rounds" in text
+    text, int4 = _ceiling(model, "--weights", "int4")
+    assert "(int4 weights, f32 LM head)" in text
+    assert 0 < int4 < 0.5 * f32
