@@ -8,8 +8,13 @@ roofline allows (--bench-json, one of docs/measurements/bench-engine-*.json with
         --bench-json docs/measurements/bench-engine-int8-q8-vs-llamacpp-q8_0-avx2-quiet.json
 
 Shapes: K = 1024 (the LM head's 32000 rows, and every projection that reads the hidden state) and K = 256
-(an expert's down projection, 32768 rows here). Each figure is the fastest of --repeats calls: the rows
-stream from memory, and at 3+ tokens the kernel's arithmetic, not the bytes, sets the time.
+(an expert's down projection, 32768 rows here). Each figure is the fastest of --repeats calls on one
+matrix, whose 8-33 MB partly stay in a 32 MB L3 between calls; at 3+ tokens the kernel's arithmetic, not
+the bytes, sets the time.
+
+--from-memory: one token against the LM head's shape from memory (enough matrices, cycled, for 256 MB
+a pass), in GB/s of weights beside `read_in_runs` (the weight kernels' reads alone) over as many bytes:
+how much of a pure stream's rate a one-token step keeps with its arithmetic on the same core.
 """
 
 from __future__ import annotations
@@ -70,12 +75,55 @@ def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict
     return rates
 
 
+def from_memory(weights: str, threads: int, passes: int = 3) -> tuple[float, float]:
+    """(the one-token q8 kernel's GB/s, read_in_runs' GB/s), the fastest of `passes` passes over 256 MB."""
+    import torch
+
+    from moebench.engine import memory
+    from moebench.engine.quantize import pack_int4_rows, pack_int8_rows
+    from moebench.kernels.cpu_moe import load_extension
+
+    ext = load_extension()
+    pack = {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
+    g = torch.Generator().manual_seed(1)
+    first = pack(torch.randn(VOCAB, HIDDEN, generator=g))
+    matrices = [first] + [pack(torch.randn(VOCAB, HIDDEN, generator=g))
+                          for _ in range(-(-(256 << 20) // first.nbytes) - 1)]
+    total = sum(m.nbytes for m in matrices)
+    x = torch.randn(1, HIDDEN, generator=g)
+    buffer = memory.empty((total // 4 // (1 << 18) * (1 << 18),), torch.float32)
+    buffer.fill_(1.0)
+    torch.set_num_threads(threads)
+    found = ext.activations()
+    ext.set_activations("q8")
+    try:
+        kernel = stream = 0.0
+        for _ in range(passes):
+            with ext.StepThreads(True):
+                start = time.perf_counter()
+                for m in matrices:
+                    ext.dense_linear(x, m, None)
+                kernel = max(kernel, total / (time.perf_counter() - start) / 1e9)
+            ext.set_pool_threads(threads)
+            try:
+                start = time.perf_counter()
+                ext.read_in_runs(buffer)
+                stream = max(stream, buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
+            finally:
+                ext.set_pool_threads(0)
+    finally:
+        ext.set_activations(found)
+    return kernel, stream
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 16])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--bench-json", help="a bench-engine JSON: its batch-16 rows give the step's bytes and bandwidth")
+    parser.add_argument("--from-memory", action="store_true",
+                        help="also one token from memory against a pure stream (read_in_runs), in GB/s")
     args = parser.parse_args()
 
     block_tokens = step_block_tokens(16)
@@ -108,6 +156,11 @@ def main() -> None:
             if threads in budget_ms and run_weights == weights:
                 line += f"; 50% of the run's roofline allows {budget_ms[threads]:.1f} ms for the whole step"
             print(line)
+        if args.from_memory:
+            for weights in ("int4", "int8"):
+                kernel, stream = from_memory(weights, threads)
+                print(f"{threads} thread(s), {weights} x q8, one token from memory: {kernel:.1f} GB/s of weights; "
+                      f"read_in_runs {stream:.1f} GB/s ({kernel / stream:.0%})")
 
 
 if __name__ == "__main__":

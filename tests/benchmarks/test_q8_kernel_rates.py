@@ -1,6 +1,7 @@
 """benchmarks/q8_kernel_rates.py: it times the q8 kernels themselves (the extension's q8 counters move,
 or it stops with an error), restores the activations setting it found, and sets the batch-16 step's
-integer dots beside the step time 50% of a bench-engine run's roofline allows, from that run's JSON."""
+integer dots beside the step time 50% of a bench-engine run's roofline allows, from that run's JSON, and
+(--from-memory) one token's rate from memory beside read_in_runs'."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_rates_and_the_batch_16_budget_of_a_run(monkeypatch, capsys):
     before = ext.simd_stats()["q8_weight_rows"]
     found = ext.activations()
     monkeypatch.setattr(sys, "argv", ["q8_kernel_rates.py", "--threads", "1", "--tokens", "3", "--repeats", "1",
-                                      "--bench-json", str(RUN)])
+                                      "--bench-json", str(RUN), "--from-memory"])
     load_benchmark("q8_kernel_rates").main()
     out = capsys.readouterr().out
     assert ext.simd_stats()["q8_weight_rows"] > before
@@ -39,3 +40,7 @@ def test_rates_and_the_batch_16_budget_of_a_run(monkeypatch, capsys):
     assert "int8 weights, int8 head: the integer dots alone take >= " in out
     assert re.search(rf"int8 weights, .* allows {allowed:.1f} ms for the whole step", out)
     assert not re.search(r"int4 weights, .* allows", out)
+    # one token from memory beside a pure stream over as many bytes, each weight format
+    for weights in ("int4", "int8"):
+        assert re.search(rf"1 thread\(s\), {weights} x q8, one token from memory: \d+\.\d GB/s of weights; "
+                         r"read_in_runs \d+\.\d GB/s \(\d+%\)", out)
