@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # the 0.89B Qwen3-MoE (harness/measuring/bench_models.py: DEFAULT_SHAPE)
@@ -38,6 +39,17 @@ def step_block_tokens(batch: int) -> dict[str, float]:
     return {"experts": experts, "projections": projections, "lm_head": head}
 
 
+@contextmanager
+def q8_activations(ext):
+    """The extension's activations set to q8 inside, and back to what they were after."""
+    found = ext.activations()
+    ext.set_activations("q8")
+    try:
+        yield
+    finally:
+        ext.set_activations(found)
+
+
 def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict[str, dict[int, float]]:
     import torch
 
@@ -50,25 +62,20 @@ def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict
     torch.set_num_threads(threads)
     pack = {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
     g = torch.Generator().manual_seed(0)
-    found = ext.activations()
-    ext.set_activations("q8")
     rates: dict[str, dict[int, float]] = {}
-    try:
-        with ext.StepThreads(True):
-            for rows, cols in ((VOCAB, HIDDEN), (32768, EXPERT_WIDTH)):
-                w = pack(torch.randn(rows, cols, generator=g))
-                rates[f"K={cols}"] = {}
-                for n in tokens:
-                    x = torch.randn(n, cols, generator=g)
+    with q8_activations(ext), ext.StepThreads(True):
+        for rows, cols in ((VOCAB, HIDDEN), (32768, EXPERT_WIDTH)):
+            w = pack(torch.randn(rows, cols, generator=g))
+            rates[f"K={cols}"] = {}
+            for n in tokens:
+                x = torch.randn(n, cols, generator=g)
+                ext.dense_linear(x, w, None)
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
                     ext.dense_linear(x, w, None)
-                    best = float("inf")
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        ext.dense_linear(x, w, None)
-                        best = min(best, time.perf_counter() - start)
-                    rates[f"K={cols}"][n] = best * 1e9 / (rows * cols / BLOCK * n)
-    finally:
-        ext.set_activations(found)
+                    best = min(best, time.perf_counter() - start)
+                rates[f"K={cols}"][n] = best * 1e9 / (rows * cols / BLOCK * n)
     stats = ext.simd_stats()
     if stats["q8_weight_rows"] == 0:
         raise SystemExit("q8_kernel_rates: the q8 kernels did not run (q8_weight_rows is 0)")
@@ -94,25 +101,17 @@ def from_memory(weights: str, threads: int, passes: int = 3) -> tuple[float, flo
     buffer = memory.empty((total // 4 // (1 << 18) * (1 << 18),), torch.float32)
     buffer.fill_(1.0)
     torch.set_num_threads(threads)
-    found = ext.activations()
-    ext.set_activations("q8")
-    try:
-        kernel = stream = 0.0
+    kernel = stream = 0.0
+    # both on the step's pool, with the same threads
+    with q8_activations(ext), ext.StepThreads(True):
         for _ in range(passes):
-            with ext.StepThreads(True):
-                start = time.perf_counter()
-                for m in matrices:
-                    ext.dense_linear(x, m, None)
-                kernel = max(kernel, total / (time.perf_counter() - start) / 1e9)
-            ext.set_pool_threads(threads)
-            try:
-                start = time.perf_counter()
-                ext.read_in_runs(buffer)
-                stream = max(stream, buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
-            finally:
-                ext.set_pool_threads(0)
-    finally:
-        ext.set_activations(found)
+            start = time.perf_counter()
+            for m in matrices:
+                ext.dense_linear(x, m, None)
+            kernel = max(kernel, total / (time.perf_counter() - start) / 1e9)
+            start = time.perf_counter()
+            ext.read_in_runs(buffer)
+            stream = max(stream, buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
     return kernel, stream
 
 
