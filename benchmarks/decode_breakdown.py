@@ -39,6 +39,7 @@ from moebench.measuring.bench_models import scratch_checkpoint
 
 parts = defaultdict(float)
 timing = [False]  # only decode forwards are timed
+pool_in_decode = defaultdict(int)  # the thread pool's counters over the decode forwards only (not the prefill's)
 
 
 def timed(name, fn):
@@ -92,10 +93,13 @@ def instrument() -> None:
 
     def timed_forward(self, batch, kv, all_positions=False):
         timing[0] = batch.max_q == 1
+        pool_before = cpu_dense.pool_stats() if timing[0] else None  # read outside the timed forward
         start = time.perf_counter()
         result = forward(self, batch, kv, all_positions)
         if timing[0]:
             parts["forward"] += time.perf_counter() - start
+            for key, value in (cpu_dense.pool_stats() or {}).items():
+                pool_in_decode[key] += value - pool_before.get(key, 0)
         timing[0] = False
         return result
 
@@ -166,12 +170,12 @@ def main() -> None:
                                                       overrides=Overrides.from_environment(os.environ)))
             engine.generate([Request(f"w{i}", "", 4) for i in range(b)], prompt_ids=prompts[:b])  # warm-up
             parts.clear()
-            pool_before = cpu_dense.pool_stats() or {}
+            pool_in_decode.clear()
             cpu_before, wall_before = thread_cpu_ms(), time.perf_counter()
             result = engine.generate([Request(f"r{i}", "", args.new_tokens) for i in range(b)], prompt_ids=prompts[:b])
             wall_ms = (time.perf_counter() - wall_before) * 1000
             cpu_after = thread_cpu_ms()
-            pool = {key: value - pool_before.get(key, 0) for key, value in (cpu_dense.pool_stats() or {}).items()}
+            pool = pool_in_decode
             decode = [s for s in result.steps if s["phase"] == "decode"]
             if not decode:  # a trained model (the bundled one) can end a random prompt at once
                 raise SystemExit(f"decode_breakdown: {args.model} ended every sequence before a decode step; "
@@ -186,17 +190,22 @@ def main() -> None:
             print(f"threads={threads} batch={b}: step {step_ms:.1f} ms, {b * 1000 / step_ms:.1f} tok/s, "
                   f"{decode[0]['bytes_read'] / 1e6:.0f} MB per step; thread CPU ms over the run "
                   f"({wall_ms:.0f} ms wall): {busy}")
+            steps = len(decode)
             if threads > 1 and pool.get("sections"):
-                steps = len(decode) + 1  # the prefill's sections too; a step is most of them
-                print(f"   thread pool over the run: {pool['sections'] / steps:.0f} parallel sections per step; "
+                print(f"   thread pool over the decode steps: {pool['sections'] / steps:.0f} parallel sections per step; "
                       f"{pool['worker_sleeps'] / steps:.1f} worker sleeps and {pool['spins_refused'] / steps:.1f} "
                       f"spins refused (more runnable threads than cores) per step")
+                print(f"   section ends: the calling thread waited for a worker's last item at "
+                      f"{pool['caller_waits'] / steps:.0f} per step, {pool['caller_wait_ns'] / steps / 1e3:.0f} us "
+                      f"per step in all ({pool['caller_wait_ns'] / steps / 1e6 / step_ms:.0%} of the step)")
             part_bytes = weight_bytes(engine, decode)
             for name, ms in per_step.items():
                 rate = (f", {part_bytes[name] / ms / 1e6:.1f} GB/s" if name in part_bytes and ms > 0 else "")
                 print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%}{rate})")
             results[f"threads={threads} batch={b}"] = {"step_ms": step_ms, "parts_ms": per_step,
                                                        "bytes_per_step": decode[0]["bytes_read"]}
+            if threads > 1 and pool.get("sections"):  # a share of the parts' time, not a part of its own
+                results[f"threads={threads} batch={b}"]["caller_wait_ms_per_step"] = pool["caller_wait_ns"] / steps / 1e6
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

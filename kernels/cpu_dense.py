@@ -184,7 +184,8 @@ def dense_backends() -> dict[str, int]:
 
 
 def pool_stats() -> dict | None:
-    """The step thread pool's counters (workers, parallel sections, items run by workers), or None
-    without the extension. Items run by workers are the evidence that a second thread took part."""
+    """The step thread pool's counters (workers, parallel sections, items run by workers, sections
+    whose calling thread waited for a worker's last item and its wait in nanoseconds), or None without
+    the extension. Items run by workers are the evidence that a second thread took part."""
     ext = load_extension()
     return dict(ext.pool_stats()) if ext is not None else None

@@ -83,8 +83,13 @@ class Pool {
     work(generation);
     // wait for items claimed by workers and not finished yet
     if (done_.load(std::memory_order_acquire) < n) {
+      const auto waiting_since = std::chrono::steady_clock::now();
       spin_until([&] { return done_.load(std::memory_order_acquire) >= n; }, std::chrono::microseconds(1000000));
       while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();
+      caller_waits_.fetch_add(1, std::memory_order_relaxed);
+      caller_wait_ns_.fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waiting_since).count(),
+          std::memory_order_relaxed);
     }
     // Close the section. A worker may have read claim_ as (this generation, n) and be about to
     // compare n with items_: were items_ already the next section's larger count, its exchange
@@ -98,6 +103,8 @@ class Pool {
   int64_t worker_items() const { return worker_items_.load(std::memory_order_relaxed); }
   int64_t sections() const { return sections_.load(std::memory_order_relaxed); }
   int64_t worker_sleeps() const { return worker_sleeps_.load(std::memory_order_relaxed); }
+  int64_t caller_waits() const { return caller_waits_.load(std::memory_order_relaxed); }
+  int64_t caller_wait_ns() const { return caller_wait_ns_.load(std::memory_order_relaxed); }
   int workers() const { return static_cast<int>(workers_.size()); }
 
  private:
@@ -157,6 +164,10 @@ class Pool {
   std::atomic<int64_t> worker_items_{0};
   std::atomic<int64_t> sections_{0};
   std::atomic<int64_t> worker_sleeps_{0};
+  // sections whose calling thread, its own items done, waited for a worker's last item, and how long in
+  // all: the time a section's end leaves one thread idle (decode_breakdown.py reports it per step)
+  std::atomic<int64_t> caller_waits_{0};
+  std::atomic<int64_t> caller_wait_ns_{0};
 };
 
 }  // namespace
@@ -219,6 +230,8 @@ pybind11::dict pool_stats() {
   d["worker_items"] = pool.worker_items();
   d["worker_sleeps"] = pool.worker_sleeps();
   d["spins_refused"] = moebench_cpu::g_spins_refused.load(std::memory_order_relaxed);
+  d["caller_waits"] = pool.caller_waits();
+  d["caller_wait_ns"] = pool.caller_wait_ns();
   return d;
 }
 
@@ -309,5 +322,6 @@ void register_pool(pybind11::module& m) {
       .def("__exit__", [](StepThreads& s, pybind11::args) { s.exit(); return false; })
       .def("seen", &StepThreads::seen, "Decode steps by the threads they ran on, 'pool=P torch=T'");
   m.def("pool_stats", &pool_stats, "The step thread pool: workers, parallel sections run, items run by workers, times a worker slept, "
-        "spins not begun because the machine had more runnable threads than cores");
+        "spins not begun because the machine had more runnable threads than cores, sections whose calling "
+        "thread waited for a worker's last item and the nanoseconds it waited in all");
 }

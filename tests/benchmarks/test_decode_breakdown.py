@@ -16,12 +16,12 @@ from repo_paths import REPO
 from tiny_models import make_tiny_int4_checkpoint
 
 
-def _breakdown(model, out, *extra):
+def _breakdown(model, out, *extra, threads: int = 1):
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_breakdown.py"), "--model", str(model),
-                           "--threads", "1", "--batch", "1", "--new-tokens", "6", "--prompt-len", "8",
+                           "--threads", str(threads), "--batch", "1", "--new-tokens", "6", "--prompt-len", "8",
                            "--json", str(out), *extra], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout, json.loads(out.read_text())["threads=1 batch=1"]
+    return done.stdout, json.loads(out.read_text())[f"threads={threads} batch=1"]
 
 
 def test_the_native_steps_parts_and_their_bytes_as_held(tmp_path):
@@ -34,3 +34,16 @@ def test_the_native_steps_parts_and_their_bytes_as_held(tmp_path):
     _, int4 = _breakdown(model, tmp_path / "int4.json", "--weights", "int4")
     # the engine's own count of a step's bytes: int4 rows and their scales, not the checkpoint's floats
     assert int4["bytes_per_step"] < 0.5 * f32["bytes_per_step"]
+
+
+def test_two_threads_report_the_callers_waits_at_section_ends(tmp_path):
+    """With the step's thread pool, the time the calling thread spent at section ends waiting for a
+    worker's last item, per step: printed beside the pool's other counts and kept in the JSON, apart from
+    the parts (it is inside their time, not a part of its own)."""
+    if load_extension() is None:
+        pytest.skip("the C++ extension is not available here")
+    model = make_tiny_int4_checkpoint(tmp_path / "model")
+    text, two = _breakdown(model, tmp_path / "two.json", threads=2)
+    assert "thread pool over the decode steps" in text and "section ends: the calling thread waited" in text
+    assert two["caller_wait_ms_per_step"] >= 0
+    assert not any("section ends" in name for name in two["parts_ms"])

@@ -165,6 +165,29 @@ def test_pool_workers_take_items(ext, threads):
     assert after["worker_items"] > before["worker_items"]
 
 
+def test_pool_counts_the_callers_waits_at_section_ends(ext, threads):
+    """A section whose calling thread finishes its items while a worker still runs one is counted, with
+    the time it waited; with one thread nothing is handed out and nothing waited for."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(1, 1024, generator=g), torch.randn(8192, 1024, generator=g)
+    torch.set_num_threads(1)
+    before = cpu_dense.pool_stats()
+    for _ in range(20):
+        ext.dense_linear(x, w)
+    after = cpu_dense.pool_stats()
+    assert after["caller_waits"] == before["caller_waits"] and after["caller_wait_ns"] == before["caller_wait_ns"]
+    torch.set_num_threads(2)
+    # which thread ends a section last is a race: run sections until the caller has waited at one
+    for _ in range(400):
+        ext.dense_linear(x, w)
+        now = cpu_dense.pool_stats()
+        if now["caller_waits"] > after["caller_waits"]:
+            break
+    assert now["caller_waits"] > after["caller_waits"], now
+    assert now["caller_wait_ns"] > after["caller_wait_ns"]
+    assert now["caller_waits"] - after["caller_waits"] <= now["sections"] - after["sections"]
+
+
 def test_fused_moe_on_the_pool_matches_one_thread(ext, threads):
     """The MoE kernel's three phases run on the pool: the result is bit-identical for 1 and 2 threads
     on a layer large enough to be split (the small-layer shortcut runs one thread)."""
