@@ -9,6 +9,10 @@
 // there stays queued behind the spinner. So a spinner gives up as soon as the machine has more
 // runnable threads than cores (the running count in /proc/loadavg, checked when the spin starts
 // and every few thousand polls), or a yield comes back late (another thread ran on this core).
+// Reading /proc/loadavg is three system calls and a walk of every run queue, as long as a short
+// parallel section's tail, and the pool's calling thread waits at most sections' ends, dozens of
+// times a decode step: read there each time, it held every such end up by that long. So the answer
+// is shared by all waiters and read again only once it is kBusyRecheck old.
 #pragma once
 
 #include <fcntl.h>
@@ -28,6 +32,7 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kLateYield = std::chrono::microseconds(50);
 constexpr int kPollsPerYield = 64;
 constexpr int kYieldsPerBusyCheck = 32;
+constexpr auto kBusyRecheck = std::chrono::milliseconds(1);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -54,13 +59,26 @@ inline bool machine_busy() {
   return field != nullptr && std::strtol(field, nullptr, 10) > cpus;
 }
 
+// machine_busy() as read at most kBusyRecheck ago, by any thread.
+inline bool machine_busy_recently() {
+  static std::atomic<int64_t> read_at{0};  // steady clock counts from boot, so 0 is long ago
+  static std::atomic<bool> busy{false};
+  const int64_t now = Clock::now().time_since_epoch().count();
+  const int64_t max_age = std::chrono::duration_cast<Clock::duration>(kBusyRecheck).count();
+  if (now - read_at.load(std::memory_order_acquire) < max_age) return busy.load(std::memory_order_relaxed);
+  const bool now_busy = machine_busy();
+  busy.store(now_busy, std::memory_order_relaxed);
+  read_at.store(now, std::memory_order_release);
+  return now_busy;
+}
+
 // Spins until ready() or `spin` has passed, and returns ready(): false means the caller should
 // sleep. A spin the busy machine refused at its start is counted in `refused` where one is given.
 template <class Ready, class Duration>
 bool spin_until(Ready ready, Duration spin, std::atomic<int64_t>* refused = nullptr) {
   if (ready()) return true;
   if (spin.count() <= 0) return false;
-  if (machine_busy()) {
+  if (machine_busy_recently()) {
     if (refused != nullptr) refused->fetch_add(1, std::memory_order_relaxed);
     return ready();
   }
@@ -74,7 +92,7 @@ bool spin_until(Ready ready, Duration spin, std::atomic<int64_t>* refused = null
     std::this_thread::yield();
     const auto after = Clock::now();
     if (after - now > kLateYield) break;  // someone else wanted this core: sleep instead
-    if (++yields % kYieldsPerBusyCheck == 0 && machine_busy()) break;
+    if (++yields % kYieldsPerBusyCheck == 0 && machine_busy_recently()) break;
     now = after;
   }
   return ready();
