@@ -50,17 +50,23 @@ def q8_activations(ext):
         ext.set_activations(found)
 
 
-def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict[str, dict[int, float]]:
-    import torch
-
+def extension_and_packer(weights: str):
+    """(the C++ extension, the function that packs float rows into `weights`' rows); stops where the
+    extension did not build."""
     from moebench.engine.quantize import pack_int4_rows, pack_int8_rows
     from moebench.kernels.cpu_moe import load_extension
 
     ext = load_extension()
     if ext is None or not hasattr(ext, "set_activations"):
         raise SystemExit("q8_kernel_rates: the C++ extension did not build")
+    return ext, {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
+
+
+def measure(weights: str, tokens: list[int], threads: int, repeats: int) -> dict[str, dict[int, float]]:
+    import torch
+
+    ext, pack = extension_and_packer(weights)
     torch.set_num_threads(threads)
-    pack = {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
     g = torch.Generator().manual_seed(0)
     rates: dict[str, dict[int, float]] = {}
     with q8_activations(ext), ext.StepThreads(True):
@@ -87,11 +93,8 @@ def from_memory(weights: str, threads: int, passes: int = 3) -> tuple[float, flo
     import torch
 
     from moebench.engine import memory
-    from moebench.engine.quantize import pack_int4_rows, pack_int8_rows
-    from moebench.kernels.cpu_moe import load_extension
 
-    ext = load_extension()
-    pack = {"int4": pack_int4_rows, "int8": pack_int8_rows}[weights]
+    ext, pack = extension_and_packer(weights)
     g = torch.Generator().manual_seed(1)
     first = pack(torch.randn(VOCAB, HIDDEN, generator=g))
     matrices = [first] + [pack(torch.randn(VOCAB, HIDDEN, generator=g))

@@ -6,22 +6,18 @@ of float32)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from benchmark_scripts import run_benchmark
 from moebench.kernels.cpu_moe import load_extension
-from repo_paths import REPO
 from tiny_models import make_tiny_int4_checkpoint
 
 
 def _breakdown(model, out, *extra, threads: int = 1):
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_breakdown.py"), "--model", str(model),
-                           "--threads", str(threads), "--batch", "1", "--new-tokens", "6", "--prompt-len", "8",
-                           "--json", str(out), *extra], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout, json.loads(out.read_text())[f"threads={threads} batch=1"]
+    text = run_benchmark("decode_breakdown", "--model", str(model), "--threads", str(threads), "--batch", "1",
+                         "--new-tokens", "6", "--prompt-len", "8", "--json", str(out), *extra)
+    return text, json.loads(out.read_text())[f"threads={threads} batch=1"]
 
 
 def test_the_native_steps_parts_and_their_bytes_as_held(tmp_path):

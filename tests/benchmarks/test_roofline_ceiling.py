@@ -5,24 +5,20 @@ engine it scores runs with the --weights it is given, and the pure stream reads 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
+from benchmark_scripts import run_benchmark
 from moebench.kernels.cpu_moe import load_extension
-from repo_paths import REPO
 from tiny_models import make_tiny_int4_checkpoint
 
 
 def _ceiling(model, *extra) -> tuple[str, float]:
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "roofline_ceiling.py"), "--model", str(model),
-                           "--threads", "1", "--rounds", "1", "--prompt-len", "8", "--new-tokens", "6", *extra],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    step = re.search(r"([\d.]+) MB per decode step", done.stdout)
-    assert step, done.stdout
-    return done.stdout, float(step.group(1))
+    text = run_benchmark("roofline_ceiling", "--model", str(model), "--threads", "1", "--rounds", "1",
+                         "--prompt-len", "8", "--new-tokens", "6", *extra)
+    step = re.search(r"([\d.]+) MB per decode step", text)
+    assert step, text
+    return text, float(step.group(1))
 
 
 def test_the_stream_reads_the_step_bytes_of_the_engine_it_scores(tmp_path):
