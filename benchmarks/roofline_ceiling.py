@@ -12,8 +12,9 @@ stream's fraction is the most any engine could score in those minutes.
         --threads 1 --batch 1 --weights int8 --lm-head int8
 
 --model: `random-0.89b` (the model bench-engine measures, written to a temporary folder), `bundled` or a
-qwen3_moe checkpoint folder. --weights and --lm-head as bench-engine's; MOEBENCH_ACTIVATIONS=q8 in the
-environment as its --activations q8. The stream reads one step's bytes in the engine's precision.
+qwen3_moe checkpoint folder. --weights, --lm-head and --decode-path as bench-engine's (native by default, as
+there); MOEBENCH_ACTIVATIONS=q8 in the environment as its --activations q8. The stream reads one step's
+bytes in the engine's precision.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import torch
 
 from moebench.engine import Engine, Request, RuntimeConfig, memory
+from moebench.engine.config import DECODE_PATHS
 from moebench.engine.overrides import Overrides
 from moebench.kernels.cpu_moe import load_extension
 from moebench.measuring.bench_engine import collect_garbage_before_timing, decode_bytes_per_step, decode_rate
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="for --model random-0.89b")
     parser.add_argument("--weights", default="f32", help="f32, int8 or int4 (bench-engine's --weights)")
     parser.add_argument("--lm-head", default="f32", help="f32, bf16, int8 or fp8 (bench-engine's --lm-head)")
+    parser.add_argument("--decode-path", default="native", choices=DECODE_PATHS,
+                        help="the runtime's decode path; native, as bench-engine runs it by default")
     args = parser.parse_args()
     ext = load_extension()
     if ext is None:
@@ -57,7 +61,8 @@ def main() -> None:
     # one engine for every run, as bench-engine keeps one: its setup (quantizing --weights) is not timed
     bundled = Engine(ckpt, None, RuntimeConfig(kernel="fused", scheduler="static", batch_size=args.batch,
                                                max_new_tokens=args.new_tokens, weights=args.weights,
-                                               lm_head=args.lm_head, overrides=overrides))
+                                               lm_head=args.lm_head, decode_path=args.decode_path,
+                                               overrides=overrides))
 
     def engine(new_tokens: int):
         collect_garbage_before_timing()
@@ -70,8 +75,13 @@ def main() -> None:
     # whole items of read_in_runs (1 MB), at least one
     buffer = memory.empty((max(1, int(step_bytes) // 4 // (1 << 18)) * (1 << 18),), torch.float32)
     buffer.fill_(1.0)
-    print(f"{step_bytes / 1e6:.1f} MB per decode step ({args.weights} weights, {args.lm_head} LM head); "
-          f"the stream reads {buffer.numel() * 4 / 1e6:.1f} MB per pass", flush=True)
+    # --weights f32 keeps the checkpoint's dtype: name what the model holds, and the decode path that ran,
+    # as the run's evidence has them
+    held = args.weights if args.weights != "f32" else first.evidence.get("weights", {}).get("held", {}).get("dense")
+    ran = first.evidence["decode_path"]
+    print(f"{step_bytes / 1e6:.1f} MB per decode step ({held} weights, {args.lm_head} LM head); decode path "
+          f"{ran['path']}, steps {ran['decode_steps']}; the stream reads {buffer.numel() * 4 / 1e6:.1f} MB per pass",
+          flush=True)
 
     def stream(seconds: float) -> float:
         """GB/s of read_in_runs looping over the buffer for about `seconds`, on the run's threads."""
