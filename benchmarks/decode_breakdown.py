@@ -191,21 +191,23 @@ def main() -> None:
                   f"{decode[0]['bytes_read'] / 1e6:.0f} MB per step; thread CPU ms over the run "
                   f"({wall_ms:.0f} ms wall): {busy}")
             steps = len(decode)
-            if threads > 1 and pool.get("sections"):
+            pooled = threads > 1 and pool.get("sections")
+            # a share of the parts' time, not a part of its own
+            caller_wait_ms = pool["caller_wait_ns"] / steps / 1e6 if pooled else None
+            if pooled:
                 print(f"   thread pool over the decode steps: {pool['sections'] / steps:.0f} parallel sections per step; "
                       f"{pool['worker_sleeps'] / steps:.1f} worker sleeps and {pool['spins_refused'] / steps:.1f} "
                       f"spins refused (more runnable threads than cores) per step")
                 print(f"   section ends: the calling thread waited for a worker's last item at "
-                      f"{pool['caller_waits'] / steps:.0f} per step, {pool['caller_wait_ns'] / steps / 1e3:.0f} us "
-                      f"per step in all ({pool['caller_wait_ns'] / steps / 1e6 / step_ms:.0%} of the step)")
+                      f"{pool['caller_waits'] / steps:.0f} per step, {caller_wait_ms * 1e3:.0f} us "
+                      f"per step in all ({caller_wait_ms / step_ms:.0%} of the step)")
             part_bytes = weight_bytes(engine, decode)
             for name, ms in per_step.items():
                 rate = (f", {part_bytes[name] / ms / 1e6:.1f} GB/s" if name in part_bytes and ms > 0 else "")
                 print(f"   {name}: {ms:.2f} ms ({ms / step_ms:.0%}{rate})")
-            results[f"threads={threads} batch={b}"] = {"step_ms": step_ms, "parts_ms": per_step,
-                                                       "bytes_per_step": decode[0]["bytes_read"]}
-            if threads > 1 and pool.get("sections"):  # a share of the parts' time, not a part of its own
-                results[f"threads={threads} batch={b}"]["caller_wait_ms_per_step"] = pool["caller_wait_ns"] / steps / 1e6
+            results[f"threads={threads} batch={b}"] = {
+                "step_ms": step_ms, "parts_ms": per_step, "bytes_per_step": decode[0]["bytes_read"],
+                **({"caller_wait_ms_per_step": caller_wait_ms} if pooled else {})}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
